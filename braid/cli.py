@@ -1,0 +1,104 @@
+"""Command line: `braid generate`, `braid bench-one-batch`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+
+from braid.config import DTYPES, UserError
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that launches ranks."""
+    parser.add_argument("--model", default=None,
+                        help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    parser.add_argument("--comm", choices=["torch"], default="torch",
+                        help="collective backend: torch.distributed (gloo on CPU)")
+    parser.add_argument("--skip-comm", action="store_true",
+                        help="turn collectives into no-ops (wrong outputs; timing only)")
+    parser.add_argument("--max-total-tokens", type=int, default=32768,
+                        help="KV cache capacity in tokens")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, tp=args.tp, dtype=args.dtype, comm=args.comm,
+                skip_comm=args.skip_comm, max_total_tokens=args.max_total_tokens)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from braid.engine.llm import LLM
+    from braid.engine.request import SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    with LLM(**engine_kwargs(args)) as llm:
+        outputs = llm.generate(args.prompts, params, chat=args.chat)
+    for out in outputs:
+        if args.json:
+            print(json.dumps({"prompt": out.prompt, "text": out.text,
+                              "token_ids": out.token_ids}), flush=True)
+        else:
+            print(out.text.strip() if len(outputs) == 1 else f"[{out.prompt}] {out.text.strip()}")
+
+
+def cmd_bench_one_batch(args: argparse.Namespace) -> None:
+    from braid.bench.one_batch import run_bench_one_batch
+
+    run_bench_one_batch(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="braid", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    add_engine_args(gen)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 for greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object per prompt: prompt, text, token_ids")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench-one-batch",
+                           help="latency of one static batch: prefill, then decode steps")
+    add_engine_args(bench)
+    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--input-len", type=int, default=1024)
+    bench.add_argument("--output-len", type=int, default=16)
+    bench.add_argument("--backend", choices=["braid", "hf"], default="braid",
+                       help="hf: the same workload through Hugging Face transformers")
+    bench.add_argument("--result-file", default=None, help="append one JSONL row here")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    bench.set_defaults(func=cmd_bench_one_batch)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    warnings.formatwarning = lambda msg, cat, *a, **k: f"warning: {msg}\n"
+    from braid.distributed.launch import RankFailure
+
+    try:
+        args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RankFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

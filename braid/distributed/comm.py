@@ -1,0 +1,136 @@
+"""Communicator: the collectives tensor parallelism needs, each with a sync and an async form.
+
+Model code only sees this interface, so a backend (torch.distributed, shared memory, a no-op for
+timing) is chosen at launch without touching layers. Async forms return a `Handle` whose `wait()`
+returns the result; two-batch overlap launches a collective, yields, and waits later.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class Handle:
+    """A collective in flight; `wait()` blocks until it completes and returns its result."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor]) -> None:
+        self._finish = finish
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            self._result = self._finish()
+        return self._result
+
+
+class Communicator(ABC):
+    """Collectives across the ranks of one tensor-parallel group."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    @abstractmethod
+    def all_reduce_async(self, x: torch.Tensor) -> Handle:
+        """Start a sum over ranks of `x` (may reuse `x`'s storage for the result)."""
+
+    @abstractmethod
+    def all_gather_async(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> Handle:
+        """Start concatenating every rank's `x` along dim 0.
+
+        `sizes[r]` is rank r's length along dim 0 when ranks contribute unequal lengths; the
+        other dims must match on every rank.
+        """
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.world_size == 1 else self.all_reduce_async(x).wait()
+
+    def all_gather(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> torch.Tensor:
+        return x if self.world_size == 1 else self.all_gather_async(x, sizes).wait()
+
+    def close(self) -> None:
+        """Release backend resources (idempotent)."""
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if x.shape[0] == rows:
+        return x.contiguous()
+    padded = x.new_zeros((rows, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    return padded
+
+
+def _unpad_gathered(out: torch.Tensor, sizes: Sequence[int], rows: int) -> torch.Tensor:
+    if all(s == rows for s in sizes):
+        return out
+    chunks = out.view(len(sizes), rows, *out.shape[1:])
+    return torch.cat([chunks[r, :s] for r, s in enumerate(sizes)])
+
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class TorchCommunicator(Communicator):
+    """Collectives through `torch.distributed` (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(rank, world_size)
+        self.group = group
+
+    def all_reduce_async(self, x: torch.Tensor) -> Handle:
+        x = x.contiguous()
+        work = dist.all_reduce(x, group=self.group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            return x
+
+        return Handle(finish)
+
+    def all_gather_async(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> Handle:
+        sizes = list(sizes) if sizes is not None else [x.shape[0]] * self.world_size
+        rows = max(sizes)
+        local = _pad_rows(x, rows)
+        out = local.new_empty((rows * self.world_size, *x.shape[1:]))
+        work = _all_gather_single(out, local, group=self.group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            return _unpad_gathered(out, sizes, rows)
+
+        return Handle(finish)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class SkipCommunicator(Communicator):
+    """Collectives replaced by no-ops (`--skip-comm`): results are wrong, timings show compute only.
+
+    Shapes stay right so the model runs end to end: a reduce returns the local tensor, a gather
+    tiles it to the gathered size.
+    """
+
+    def all_reduce_async(self, x: torch.Tensor) -> Handle:
+        return Handle(lambda: x)
+
+    def all_gather_async(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> Handle:
+        sizes = list(sizes) if sizes is not None else [x.shape[0]] * self.world_size
+        total = sum(sizes)
+
+        def finish() -> torch.Tensor:
+            reps = -(-total // max(x.shape[0], 1))
+            return x.repeat(reps, *([1] * (x.dim() - 1)))[:total]
+
+        return Handle(finish)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> torch.Tensor:
+        return self.all_gather_async(x, sizes).wait()

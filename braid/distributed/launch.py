@@ -1,0 +1,183 @@
+"""Start tensor-parallel ranks as processes on this host and watch them.
+
+The calling process is the driver: it holds the rendezvous store (on a free port), starts one
+process per rank, talks to each over a pipe, and notices within a fraction of a second when a rank
+raises or dies. Then it stops every other rank and raises `RankFailure` with that rank's error, so
+a launch never hangs on a dead peer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+from braid.config import usable_cores
+
+POLL_S = 0.05
+
+
+class RankFailure(RuntimeError):
+    """A rank raised or died; the message carries that rank's error."""
+
+
+def cores_for_rank(rank: int, world_size: int, cores: list[int]) -> list[int]:
+    """This rank's own cores: an equal share, at least one (shared round-robin if too few)."""
+    per_rank = max(1, len(cores) // world_size)
+    start = (rank * per_rank) % len(cores)
+    return [cores[(start + i) % len(cores)] for i in range(per_rank)]
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process if the driver dies, even by SIGKILL."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _rank_entry(target: Callable, rank: int, world_size: int, store_port: int,
+                cores: list[int], conn: Connection, args: tuple) -> None:
+    _die_with_parent()
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
+                              timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        target(rank, world_size, conn, *args)
+    except BaseException:  # noqa: BLE001 - every failure must reach the driver
+        try:
+            conn.send(("error", traceback.format_exc()))
+        finally:
+            os._exit(1)
+    os._exit(0)
+
+
+class RankGroup:
+    """`world_size` rank processes running `target(rank, world_size, conn, *args)`.
+
+    `target` receives messages with `conn.recv()` and answers with `conn.send(("ok", value))`;
+    `torch.distributed` is initialised before it runs. Exceptions are reported automatically.
+    """
+
+    def __init__(self, world_size: int, target: Callable, args: tuple = ()) -> None:
+        import torch.distributed as dist
+
+        cores = usable_cores()
+        if world_size > len(cores):
+            warnings.warn(f"--tp {world_size} exceeds the {len(cores)} usable cores: ranks share "
+                          "cores and run slower", stacklevel=2)
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.procs: list[mp.Process] = []
+        self._closed = False
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_rank_entry, daemon=True, name=f"braid-rank-{rank}",
+                args=(target, rank, world_size, self._store.port,
+                      cores_for_rank(rank, world_size, cores), child, args))
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        atexit.register(self.close)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.procs)
+
+    def send_all(self, message: object) -> None:
+        """Send the same message to every rank."""
+        for conn in self.conns:
+            try:
+                conn.send(message)
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                self._fail()
+
+    def recv(self, rank: int = 0, timeout: float | None = None) -> object:
+        """Wait for `rank`'s answer while watching every rank; raise `RankFailure` on a death."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conn = self.conns[rank]
+        while not conn.poll(POLL_S):
+            if any(p.exitcode is not None for p in self.procs):
+                self._fail()
+            if deadline is not None and time.monotonic() > deadline:
+                self.close()
+                raise RankFailure(f"rank {rank} did not answer within {timeout:.0f} s")
+        try:
+            kind, value = conn.recv()
+        except (EOFError, OSError):
+            self._fail()
+        if kind == "error":
+            self.close()
+            raise RankFailure(f"rank {rank} failed:\n{value}")
+        return value
+
+    def gather(self, timeout: float | None = None) -> list[object]:
+        """One answer from every rank, in rank order."""
+        return [self.recv(rank, timeout) for rank in range(self.world_size)]
+
+    def request(self, message: object) -> object:
+        """Send to every rank and return rank 0's answer."""
+        self.send_all(message)
+        return self.recv(0)
+
+    def _fail(self) -> None:
+        """Find the rank that failed, stop all ranks and raise with its error."""
+        time.sleep(POLL_S)  # give a raising rank a moment to finish sending its traceback
+        reasons = []
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns)):
+            message = None
+            try:
+                while conn.poll(0):
+                    kind, value = conn.recv()
+                    if kind == "error":
+                        message = value
+            except (EOFError, OSError):
+                pass
+            if message is not None:
+                reasons.append(f"rank {rank} failed:\n{message}")
+            elif proc.exitcode is not None and proc.exitcode != 0:
+                reasons.append(f"rank {rank} died (exit code {proc.exitcode})")
+        self.close()
+        raise RankFailure("\n".join(reasons) or "a rank exited unexpectedly")
+
+    def close(self) -> None:
+        """Stop every rank: ask politely, then terminate, then kill (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self.conns:
+            try:
+                conn.send(("stop", None))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs:
+            proc.join(1.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        atexit.unregister(self.close)

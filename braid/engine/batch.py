@@ -1,0 +1,105 @@
+"""What one forward step computes: the plan sent to every rank and the ForwardBatch built from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-sequence sampling parameters of one step (rank 0 samples)."""
+
+    temperatures: np.ndarray  # [B] float32; 0 means greedy
+    top_ks: np.ndarray  # [B] int64; 0 means no limit
+    top_ps: np.ndarray  # [B] float32
+    seeds: list[int | None]  # per-sequence seed, combined with the output position
+    output_positions: np.ndarray  # [B] index of the token being sampled within its output
+
+
+@dataclass
+class StepPlan:
+    """One forward step, decided by the scheduler and sent to every rank.
+
+    Tokens of all sequences are concatenated: sequence b contributes `q_lens[b]` new tokens and
+    attends to `kv_lens[b]` tokens (its cached prefix plus the new ones).
+    """
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64: KV cache slot each new token writes
+    q_lens: np.ndarray  # [B] int64
+    kv_lens: np.ndarray  # [B] int64
+    block_tables: np.ndarray  # [B, max_blocks] int64, padded with 0
+    sampling: SamplingBatch | None = None
+    return_logits: str = "none"  # "none" | "last" (one row per sequence) | "all" (every token)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class AttentionMetadata:
+    """Index tensors for attention over the paged KV cache, built once per step for all layers.
+
+    Sequences are laid out padded, [B, max_q] queries against [B, max_kv] keys. When every
+    sequence is a fresh prompt of the same length (`fresh_causal`), keys come straight from the
+    new tokens and attention is plainly causal, so no gather or mask is needed.
+    """
+
+    batch_size: int
+    max_q: int
+    fresh_causal: bool
+    q_gather: torch.Tensor | None  # [B * max_q] token index per padded query (None: identity)
+    q_scatter: torch.Tensor | None  # [T] padded position of each real token (None: identity)
+    kv_slots: torch.Tensor | None  # [B, max_kv] cache slot per key position (0: the zero slot)
+    mask: torch.Tensor | None  # [B, 1, max_q, max_kv] bool, True = attend
+
+
+def build_attention_metadata(plan: StepPlan, block_size: int,
+                             device: torch.device) -> AttentionMetadata:
+    """Index tensors for one step; padded key positions read slot 0, which is kept zero."""
+    q_lens = torch.from_numpy(plan.q_lens)
+    kv_lens = torch.from_numpy(plan.kv_lens)
+    batch, max_q = len(plan.q_lens), int(q_lens.max())
+    if bool((q_lens == kv_lens).all()) and bool((q_lens == max_q).all()):
+        return AttentionMetadata(batch, max_q, True, None, None, None, None)
+    max_kv = int(kv_lens.max())
+    j = torch.arange(max_kv)
+    tables = torch.from_numpy(plan.block_tables)
+    slots = tables.gather(1, (j // block_size).expand(batch, -1)) * block_size + j % block_size
+    key_valid = j < kv_lens[:, None]
+    slots = slots.masked_fill(~key_valid, 0)
+    i = torch.arange(max_q)
+    query_valid = i[None, :] < q_lens[:, None]  # [B, max_q]
+    causal_limit = (kv_lens - q_lens)[:, None, None] + i[None, :, None]  # [B, max_q, 1]
+    mask = (j[None, None, :] <= causal_limit) & key_valid[:, None, :]
+    # Padded query rows attend to slot 0 only, so no row is fully masked (that would give NaN).
+    mask |= (~query_valid)[:, :, None] & (j == 0)[None, None, :]
+    q_gather = q_scatter = None
+    if max_q > 1 and not bool((q_lens == max_q).all()):
+        starts = torch.cumsum(q_lens, 0) - q_lens
+        q_gather = (starts[:, None] + i[None, :]).masked_fill(~query_valid, 0).reshape(-1)
+        q_scatter = (torch.arange(batch)[:, None] * max_q + i[None, :])[query_valid]
+        q_gather, q_scatter = q_gather.to(device), q_scatter.to(device)
+    return AttentionMetadata(batch, max_q, False, q_gather, q_scatter, slots.to(device),
+                             mask[:, None].to(device))
+
+
+class ForwardBatch:
+    """A StepPlan as tensors on this rank's device, passed explicitly to every layer."""
+
+    def __init__(self, plan: StepPlan, block_size: int, device: torch.device) -> None:
+        self.plan = plan
+        self.num_tokens = plan.num_tokens
+        self.input_ids = torch.from_numpy(plan.input_ids).to(device)
+        self.positions = torch.from_numpy(plan.positions).to(device)
+        self.slot_mapping = torch.from_numpy(plan.slot_mapping).to(device)
+        self.attn = build_attention_metadata(plan, block_size, device)
+        # Row of each sequence's last token: in the logits, unless logits of every token are asked.
+        last = torch.from_numpy(np.cumsum(plan.q_lens) - 1).to(device)
+        self.logits_index = None if plan.return_logits == "all" else last
+        self.sample_index = last if plan.return_logits == "all" else None

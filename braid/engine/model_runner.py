@@ -1,0 +1,77 @@
+"""Runs the model on one rank: loads its shard, owns its KV cache, executes step plans."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from braid.config import EngineConfig, ModelConfig
+from braid.distributed.comm import Communicator
+from braid.engine.batch import ForwardBatch, StepPlan
+from braid.engine.sampler import sample
+from braid.loader.weights import load_weights
+from braid.models.registry import model_class
+
+
+@dataclass
+class StepResult:
+    """What rank 0 returns for a step: sampled tokens and, if asked, logits."""
+
+    next_tokens: list[int] | None
+    logits: torch.Tensor | None
+
+
+def checkpoint_weights(model_path: str, config: ModelConfig):
+    """Lazy (name, weight) pairs of a GGUF file or a safetensors folder."""
+    if Path(model_path).is_file():
+        from braid.loader.gguf import iterate_gguf
+
+        return iterate_gguf(model_path, config)
+    from braid.loader.safetensors import iterate_safetensors
+
+    return iterate_safetensors(model_path)
+
+
+class ModelRunner:
+    """One rank's model shard and KV cache."""
+
+    def __init__(self, engine: EngineConfig, config: ModelConfig, comm: Communicator) -> None:
+        self.engine = engine
+        self.config = config
+        self.comm = comm
+        self.device = torch.device(engine.device)
+        torch.manual_seed(engine.seed)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(engine.seed)
+        cls = model_class(config)
+        self.model = cls(config, comm, engine.torch_dtype)
+        load_weights(self.model, checkpoint_weights(engine.model, config), cls.stacked_params,
+                     self.model.ignored_weights())
+        self.model.to(self.device).eval()
+        self._allocate_kv_cache()
+
+    def _allocate_kv_cache(self) -> None:
+        # One extra block: block 0 is reserved; its first slot stays zero for padded reads.
+        num_slots = (self.engine.max_total_tokens // self.engine.block_size + 1) \
+            * self.engine.block_size
+        for attn in self.model.attention_layers():
+            shape = (num_slots, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.empty(shape, dtype=self.engine.torch_dtype, device=self.device)
+            attn.v_cache = torch.empty(shape, dtype=self.engine.torch_dtype, device=self.device)
+            attn.k_cache[0].zero_()
+            attn.v_cache[0].zero_()
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> StepResult | None:
+        """Run one forward step; rank 0 returns tokens (and logits if asked), others None."""
+        batch = ForwardBatch(plan, self.engine.block_size, self.device)
+        logits = self.model(batch)
+        if self.comm.rank != 0:
+            return None
+        tokens = None
+        if plan.sampling is not None:
+            rows = logits if batch.sample_index is None else logits[batch.sample_index]
+            tokens = sample(rows, plan.sampling, self.generator).tolist()
+        return StepResult(tokens, logits.cpu() if plan.return_logits != "none" else None)

@@ -1,0 +1,127 @@
+"""Decides each step: prefill waiting requests when they fit, else decode every running one.
+
+Runs on the driver. KV blocks are allocated here; when the cache is full the newest running
+request is preempted (its blocks freed, recomputed later), so no request is ever dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from braid.engine.batch import SamplingBatch, StepPlan
+from braid.engine.kv_cache import BlockAllocator
+from braid.engine.request import Sequence
+
+
+class Scheduler:
+    """Continuous batching over a paged KV cache."""
+
+    def __init__(self, allocator: BlockAllocator, max_prefill_tokens: int,
+                 max_running: int, eos_token_ids: set[int], max_context: int) -> None:
+        self.allocator = allocator
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_running = max_running
+        self.eos_token_ids = eos_token_ids
+        self.max_context = max_context
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[StepPlan, list[Sequence]]:
+        """The next step's plan and the sequences in it (in plan order)."""
+        batch = self._take_prefill()
+        if not batch:
+            batch = self._take_decode()
+        return self.build_plan(batch), batch
+
+    def _take_prefill(self) -> list[Sequence]:
+        batch: list[Sequence] = []
+        tokens = 0
+        while self.waiting and len(self.running) + len(batch) < self.max_running:
+            seq = self.waiting[0]
+            new_tokens = seq.num_tokens - seq.num_computed
+            if batch and tokens + new_tokens > self.max_prefill_tokens:
+                break
+            need = self.allocator.blocks_needed(seq.num_tokens, len(seq.blocks))
+            if need > self.allocator.num_free:
+                if not batch and not self.running:
+                    raise MemoryError(f"a request of {seq.num_tokens} tokens does not fit in the "
+                                      f"KV cache ({self.allocator.capacity_tokens} tokens); "
+                                      "raise --max-total-tokens")
+                break
+            seq.blocks += self.allocator.allocate(need)
+            batch.append(self.waiting.popleft())
+            tokens += new_tokens
+        self.running += batch
+        return batch
+
+    def _take_decode(self) -> list[Sequence]:
+        batch = []
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted below to make room for an earlier one
+                continue
+            need = self.allocator.blocks_needed(seq.num_tokens, len(seq.blocks))
+            while need > self.allocator.num_free and self.running[-1] is not seq:
+                self._preempt(self.running[-1])
+            if need > self.allocator.num_free:
+                self._preempt(seq)
+                continue
+            seq.blocks += self.allocator.allocate(need)
+            batch.append(seq)
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.blocks)
+        seq.blocks, seq.num_computed = [], 0
+        self.waiting.appendleft(seq)
+
+    def build_plan(self, batch: list[Sequence]) -> StepPlan:
+        block_size = self.allocator.block_size
+        q_lens = np.array([s.num_tokens - s.num_computed for s in batch], dtype=np.int64)
+        kv_lens = np.array([s.num_tokens for s in batch], dtype=np.int64)
+        positions = np.concatenate([np.arange(s.num_computed, s.num_tokens) for s in batch])
+        input_ids = np.array([t for s in batch for t in s.tokens[s.num_computed:]],
+                             dtype=np.int64)
+        tables = np.zeros((len(batch), max(len(s.blocks) for s in batch)), dtype=np.int64)
+        for row, s in enumerate(batch):
+            tables[row, :len(s.blocks)] = s.blocks
+        seq_index = np.repeat(np.arange(len(batch)), q_lens)
+        slots = tables[seq_index, positions // block_size] * block_size + positions % block_size
+        params = [s.params for s in batch]
+        sampling = SamplingBatch(
+            temperatures=np.array([p.temperature for p in params], dtype=np.float32),
+            top_ks=np.array([p.top_k for p in params], dtype=np.int64),
+            top_ps=np.array([p.top_p for p in params], dtype=np.float32),
+            seeds=[p.seed for p in params],
+            output_positions=np.array([len(s.output_ids) for s in batch], dtype=np.int64),
+        )
+        return StepPlan(input_ids, positions.astype(np.int64), slots.astype(np.int64), q_lens,
+                        kv_lens, tables, sampling)
+
+    def commit(self, batch: list[Sequence], next_tokens: list[int]) -> list[Sequence]:
+        """Record the step's sampled tokens; return the sequences that finished."""
+        finished = []
+        for seq, token in zip(batch, next_tokens):
+            seq.num_computed = seq.num_tokens
+            seq.output_ids.append(token)
+            params = seq.params
+            if token in params.stop_token_ids or (
+                    not params.ignore_eos and token in self.eos_token_ids):
+                seq.finish_reason = "stop"
+            elif len(seq.output_ids) >= params.max_new_tokens or seq.num_tokens >= self.max_context:
+                seq.finish_reason = "length"
+            if seq.finished:
+                self.running.remove(seq)
+                self.allocator.free(seq.blocks)
+                seq.blocks = []
+                finished.append(seq)
+        return finished

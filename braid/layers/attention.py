@@ -1,0 +1,49 @@
+"""Attention over a paged KV cache, for prefill (with or without a cached prefix) and decode."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from braid.engine.batch import ForwardBatch
+
+
+class PagedAttention(nn.Module):
+    """Writes the step's keys and values into the cache, then attends over each sequence's cache.
+
+    The cache tensors (`[num_slots, kv_heads, head_dim]`) are attached by the model runner after
+    it has sized the cache; slot 0 is reserved and kept zero (padding reads it).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
+        self.k_cache[batch.slot_mapping] = k
+        self.v_cache[batch.slot_mapping] = v
+        meta = batch.attn
+        b, max_q = meta.batch_size, meta.max_q
+        gqa = self.num_heads != self.num_kv_heads
+        if meta.fresh_causal:
+            out = F.scaled_dot_product_attention(
+                q.view(b, max_q, -1, self.head_dim).transpose(1, 2),
+                k.view(b, max_q, -1, self.head_dim).transpose(1, 2),
+                v.view(b, max_q, -1, self.head_dim).transpose(1, 2),
+                is_causal=True, enable_gqa=gqa)
+            return out.transpose(1, 2).reshape(batch.num_tokens, -1)
+        q_padded = q if meta.q_gather is None else q[meta.q_gather]
+        keys = self.k_cache[meta.kv_slots].transpose(1, 2)  # [B, kv_heads, max_kv, D]
+        values = self.v_cache[meta.kv_slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q_padded.view(b, max_q, -1, self.head_dim).transpose(1, 2), keys, values,
+            attn_mask=meta.mask, enable_gqa=gqa)
+        out = out.transpose(1, 2).reshape(b * max_q, -1)
+        return out if meta.q_scatter is None else out[meta.q_scatter]

@@ -1,0 +1,68 @@
+"""Vocabulary-parallel token embedding and LM head (the vocabulary split over ranks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from braid.distributed.comm import Communicator
+from braid.layers.partition import split_range, split_sizes
+from braid.loader.weights import LazyWeight
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous range of vocabulary rows; lookups are summed over ranks."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, comm: Communicator,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.comm = comm
+        self.vocab_sizes = split_sizes(vocab_size, comm.world_size)
+        self.start, self.size = split_range(vocab_size, comm.world_size, comm.rank)
+        self.weight = nn.Parameter(torch.empty(self.size, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.load_shard
+
+    def load_shard(self, param: nn.Parameter, weight: LazyWeight, shard_id: object = None) -> None:
+        rows = weight.narrow(0, self.start, self.size)
+        if tuple(rows.shape) != tuple(param.shape):
+            raise ValueError(f"embedding shard: expected {tuple(param.shape)}, got {tuple(rows.shape)}")
+        param.data.copy_(rows)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.size)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.comm.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits over this rank's vocabulary range, gathered into the full vocabulary.
+
+    With tied embeddings the head reuses the embedding's weight (same vocabulary split).
+    """
+
+    def __init__(self, embedding: VocabParallelEmbedding, tied: bool) -> None:
+        super().__init__()
+        self.comm = embedding.comm
+        self.vocab_sizes = embedding.vocab_sizes
+        if tied:
+            self.tied_embedding = [embedding]  # a list, so the parameter is not registered twice
+            self.weight = None
+        else:
+            self.tied_embedding = []
+            self.weight = nn.Parameter(torch.empty_like(embedding.weight), requires_grad=False)
+            self.weight.weight_loader = embedding.load_shard
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.weight if self.weight is not None else self.tied_embedding[0].weight
+        local = F.linear(hidden, weight)
+        if self.comm.world_size == 1:
+            return local
+        # Gather along dim 0 (the collective's layout), then put each rank's columns in place.
+        gathered = self.comm.all_gather(local.t().contiguous(), self.vocab_sizes)
+        return gathered.t()

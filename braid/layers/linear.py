@@ -1,0 +1,136 @@
+"""Linear layers for tensor parallelism.
+
+Each parameter carries a `weight_loader(param, weight, shard_id=None)` that copies its own slice
+out of a lazy checkpoint tensor, so a rank materialises only what it keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from braid.distributed.comm import Communicator
+from braid.layers.partition import HeadShard, split_range
+from braid.loader.weights import LazyWeight
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{what}: expected shape {tuple(dst.shape)}, got {tuple(src.shape)}")
+    dst.copy_(src)
+
+
+class ReplicatedLinear(nn.Module):
+    """Full weight on every rank; every rank computes the same output."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype)
+        self.weight.weight_loader = self.load_full
+        self.bias = None
+        if bias:
+            self.bias = _param(out_features, dtype=dtype)
+            self.bias.weight_loader = self.load_full
+
+    @staticmethod
+    def load_full(param: nn.Parameter, weight: LazyWeight, shard_id: object = None) -> None:
+        _copy_checked(param.data, weight.load(), "replicated weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split over ranks; each logical output (a shard) is split separately.
+
+    `out_features` lists the logical outputs fused into one GEMM (one entry for a plain column
+    linear, [gate, up] for a merged MLP projection). `shard_ranges[i]` is this rank's
+    (start, size) within logical output i; by default an even split with remainders.
+    """
+
+    def __init__(self, in_features: int, out_features: Sequence[int], comm: Communicator, *,
+                 shard_ranges: Sequence[tuple[int, int]] | None = None,
+                 shard_ids: Sequence[object] | None = None, bias: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if shard_ranges is None:
+            shard_ranges = [split_range(o, comm.world_size, comm.rank) for o in out_features]
+        self.shard_ranges = list(shard_ranges)
+        self.shard_ids = list(shard_ids) if shard_ids is not None else list(range(len(out_features)))
+        self.local_sizes = [size for _, size in self.shard_ranges]
+        self.weight = _param(sum(self.local_sizes), in_features, dtype=dtype)
+        self.weight.weight_loader = self.load_shard
+        self.bias = None
+        if bias:
+            self.bias = _param(sum(self.local_sizes), dtype=dtype)
+            self.bias.weight_loader = self.load_shard
+
+    def load_shard(self, param: nn.Parameter, weight: LazyWeight, shard_id: object = None) -> None:
+        index = self.shard_ids.index(shard_id if shard_id is not None else self.shard_ids[0])
+        start, size = self.shard_ranges[index]
+        offset = sum(self.local_sizes[:index])
+        _copy_checked(param.data.narrow(0, offset, size), weight.narrow(0, start, size),
+                      f"column shard {shard_id}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one GEMM (gate and up)."""
+
+    def __init__(self, in_features: int, out_features: Sequence[int], comm: Communicator, *,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(in_features, out_features, comm, dtype=dtype)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused Q, K and V projections; this rank's heads are given by a `HeadShard`."""
+
+    def __init__(self, hidden_size: int, head_dim: int, heads: HeadShard, comm: Communicator, *,
+                 bias: bool = False, dtype: torch.dtype = torch.float32) -> None:
+        ranges = [
+            (heads.q_start * head_dim, heads.q_count * head_dim),
+            (heads.kv_start * head_dim, heads.kv_count * head_dim),
+            (heads.kv_start * head_dim, heads.kv_count * head_dim),
+        ]
+        super().__init__(hidden_size, [size for _, size in ranges], comm, shard_ranges=ranges,
+                         shard_ids=["q", "k", "v"], bias=bias, dtype=dtype)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split over ranks; partial outputs are summed over ranks.
+
+    With `reduce=False` the caller owns the all-reduce (to launch it asynchronously, or to fuse
+    it with a later one). `in_range` is this rank's (start, size) of the input features.
+    """
+
+    def __init__(self, in_features: int, out_features: int, comm: Communicator, *,
+                 in_range: tuple[int, int] | None = None, reduce: bool = True,
+                 bias: bool = False, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.comm = comm
+        self.reduce = reduce
+        self.in_range = in_range or split_range(in_features, comm.world_size, comm.rank)
+        self.weight = _param(out_features, self.in_range[1], dtype=dtype)
+        self.weight.weight_loader = self.load_shard
+        self.bias = None
+        if bias:  # added once, on rank 0, so the sum over ranks counts it once
+            self.bias = _param(out_features, dtype=dtype)
+            self.bias.weight_loader = ReplicatedLinear.load_full
+
+    def load_shard(self, param: nn.Parameter, weight: LazyWeight, shard_id: object = None) -> None:
+        _copy_checked(param.data, weight.narrow(1, *self.in_range), "row shard")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.comm.rank == 0 else None
+        y = F.linear(x, self.weight, bias)
+        return self.comm.all_reduce(y) if self.reduce else y

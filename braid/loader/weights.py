@@ -1,0 +1,85 @@
+"""Lazy checkpoint tensors and the generic name-matching weight loading loop."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+
+class LazyWeight(ABC):
+    """A checkpoint tensor read on demand, so each rank materialises only its own slice."""
+
+    shape: tuple[int, ...]
+
+    @abstractmethod
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) `[start, start + length)` as a tensor."""
+
+    def load(self) -> torch.Tensor:
+        """The whole tensor."""
+        return self.narrow(0, 0, self.shape[0])
+
+
+class TensorWeight(LazyWeight):
+    """An already materialised tensor behind the lazy interface (tests, converted weights)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.shape = tuple(tensor.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.tensor.narrow(dim, start, length)
+
+
+# (our parameter segment, checkpoint segment, shard id): checkpoint tensors fused into one param.
+StackedMapping = Sequence[tuple[str, str, object]]
+
+
+def _rename(name: str, stacked: StackedMapping) -> tuple[str, object]:
+    """Map a checkpoint name to (parameter name, shard id) by exact dotted segments."""
+    segments = name.split(".")
+    for param_segment, ckpt_segment, shard_id in stacked:
+        if ckpt_segment in segments:
+            i = segments.index(ckpt_segment)
+            return ".".join([*segments[:i], param_segment, *segments[i + 1:]]), shard_id
+    return name, None
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, LazyWeight]],
+                 stacked: StackedMapping = (), ignored: Iterable[str] = ()) -> None:
+    """Copy checkpoint tensors into `model`'s parameters through their `weight_loader`s.
+
+    `ignored` lists checkpoint names that are allowed and skipped (a tied `lm_head.weight`,
+    rotary buffers). Raises `ValueError` naming every missing and every unexpected weight.
+    """
+    params = dict(model.named_parameters())
+    ignored = set(ignored)
+    loaded: set[tuple[str, object]] = set()
+    unexpected = []
+    for ckpt_name, weight in weights:
+        if ckpt_name in ignored or ckpt_name.endswith("rotary_emb.inv_freq"):
+            continue
+        name, shard_id = _rename(ckpt_name, stacked)
+        param = params.get(name)
+        if param is None:
+            unexpected.append(ckpt_name)
+            continue
+        param.weight_loader(param, weight, shard_id)
+        loaded.add((name, shard_id))
+    expected = set()
+    for name in params:
+        shard_ids = [s for p, _, s in stacked if p in name.split(".")]
+        expected.update((name, s) for s in (shard_ids or [None]))
+    missing = sorted(f"{n}" + (f" [{s}]" if s is not None else "") for n, s in expected - loaded)
+    problems = []
+    if missing:
+        problems.append(f"missing weights: {', '.join(missing[:10])}"
+                        + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+    if unexpected:
+        problems.append(f"unexpected weights: {', '.join(sorted(unexpected)[:10])}"
+                        + (f" (+{len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
+    if problems:
+        raise ValueError("checkpoint does not match the model: " + "; ".join(problems))
