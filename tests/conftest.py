@@ -1,0 +1,112 @@
+"""Shared fixtures: the embedded model, its Hugging Face reference, and a safetensors copy."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from braid.config import default_model_path, load_model_config
+
+# One thread per test process: rank processes pin their own cores, the reference shares them.
+torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // 2))
+
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "Write a short poem about the sea and the wind, with rhymes.",
+    "In 1905, Albert Einstein published four papers that changed physics. The first explained "
+    "the photoelectric effect; the second, Brownian motion; the third introduced special "
+    "relativity; the fourth derived the most famous equation in science, which says that",
+]
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from braid.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(model_path)
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    """Hugging Face transformers' Llama on the same GGUF weights, fp32: the oracle."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    path = Path(model_path)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
+    """Plain argmax decoding with the model's KV cache, EOS not special (as ignore_eos)."""
+    out = model(torch.tensor([ids]), use_cache=True)
+    tokens = []
+    for _ in range(steps):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
+                    use_cache=True)
+    return tokens
+
+
+@pytest.fixture(scope="session")
+def hf_reference(hf_model, prompt_ids):
+    """Per prompt: HF logits at every position and 32 greedy tokens (each prompt alone)."""
+    logits, greedy = [], []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            x = torch.tensor([ids])
+            logits.append(hf_model(x).logits[0].float())
+            greedy.append(hf_greedy(hf_model, ids, 32))
+    return logits, greedy
+
+
+@pytest.fixture(scope="session")
+def safetensors_folder(model_path, tokenizer, tmp_path_factory) -> str:
+    """The GGUF's weights, dequantized, as a sharded Hugging Face safetensors folder."""
+    from safetensors.torch import save_file
+
+    from braid.loader.gguf import iterate_gguf
+
+    config = load_model_config(model_path)
+    folder = tmp_path_factory.mktemp("smollm2-safetensors")
+    tensors = {name: w.load().contiguous() for name, w in iterate_gguf(model_path, config)}
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half],
+              "model-00002-of-00002.safetensors": names[half:]}
+    weight_map = {}
+    for file, shard_names in shards.items():
+        save_file({n: tensors[n] for n in shard_names}, str(folder / file))
+        weight_map.update({n: file for n in shard_names})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings, "eos_token_id": 2, "bos_token_id": 1,
+    }))
+    tokenizer.save_pretrained(str(folder))
+    return str(folder)

@@ -1,0 +1,39 @@
+"""braid against Hugging Face transformers on the same weights, at tp 1, 2 and 3 (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from braid import LLM, SamplingParams
+
+LOGIT_TOLERANCE = 2e-3
+
+
+def check_logits(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> None:
+    for i, (a, b) in enumerate(zip(ours, reference)):
+        assert a.shape == b.shape, f"prompt {i}: shape {a.shape} vs {b.shape}"
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"prompt {i}: top-1 differs"
+        diff = (a - b).abs().max().item()
+        assert diff <= LOGIT_TOLERANCE, f"prompt {i}: max |logit diff| {diff:.2e}"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_logits_and_greedy_tokens_match_transformers(tp, model_path, prompt_ids, hf_reference):
+    ref_logits, ref_greedy = hf_reference
+    with LLM(model_path, tp=tp, dtype="fp32") as llm:
+        check_logits(llm.prompt_logits(prompt_ids), ref_logits)
+        params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+        outputs = llm.generate(prompt_ids, params)  # all four prompts batched together
+    for i, (out, ref) in enumerate(zip(outputs, ref_greedy)):
+        assert out.token_ids == ref, f"prompt {i}: greedy tokens differ from transformers"
+
+
+def test_safetensors_and_gguf_give_the_same_logits(model_path, safetensors_folder, prompt_ids):
+    with LLM(model_path, tp=2, dtype="fp32") as llm:
+        from_gguf = llm.prompt_logits(prompt_ids)
+    with LLM(safetensors_folder, tp=2, dtype="fp32") as llm:
+        from_folder = llm.prompt_logits(prompt_ids)
+        assert llm.encode("The capital of France is") == prompt_ids[1]
+    for a, b in zip(from_gguf, from_folder):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
