@@ -17,12 +17,15 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from typing import NoReturn
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
 from braid.config import usable_cores
 
 POLL_S = 0.05
+# Errors a rank gets when a peer died under it, as opposed to the peer's own error.
+_PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
 class RankFailure(RuntimeError):
@@ -124,8 +127,7 @@ class RankGroup:
         except (EOFError, OSError):
             self._fail()
         if kind == "error":
-            self.close()
-            raise RankFailure(f"rank {rank} failed:\n{value}")
+            self._fail({rank: value})
         return value
 
     def gather(self, timeout: float | None = None) -> list[object]:
@@ -137,25 +139,36 @@ class RankGroup:
         self.send_all(message)
         return self.recv(0)
 
-    def _fail(self) -> None:
-        """Find the rank that failed, stop all ranks and raise with its error."""
-        time.sleep(POLL_S)  # give a raising rank a moment to finish sending its traceback
-        reasons = []
-        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns)):
-            message = None
-            try:
-                while conn.poll(0):
-                    kind, value = conn.recv()
-                    if kind == "error":
-                        message = value
-            except (EOFError, OSError):
-                pass
-            if message is not None:
-                reasons.append(f"rank {rank} failed:\n{message}")
-            elif proc.exitcode is not None and proc.exitcode != 0:
-                reasons.append(f"rank {rank} died (exit code {proc.exitcode})")
+    def _fail(self, reported: dict[int, str] | None = None) -> NoReturn:
+        """Stop all ranks and raise with every rank's error, the likely root cause first.
+
+        When one rank fails its peers soon fail too, inside a collective; their errors (a reset
+        connection) are listed after the errors that caused them.
+        """
+        reported = dict(reported or {})
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            for rank, conn in enumerate(self.conns):
+                try:
+                    while rank not in reported and conn.poll(0):
+                        kind, value = conn.recv()
+                        if kind == "error":
+                            reported[rank] = value
+                except (EOFError, OSError):
+                    pass
+            if all(r in reported or p.exitcode is not None for r, p in enumerate(self.procs)):
+                break
+            time.sleep(POLL_S)
         self.close()
-        raise RankFailure("\n".join(reasons) or "a rank exited unexpectedly")
+        reasons = []
+        for rank, proc in enumerate(self.procs):
+            if rank in reported:
+                secondary = any(m in reported[rank] for m in _PEER_FAILURE_MARKERS)
+                reasons.append((secondary, f"rank {rank} failed:\n{reported[rank]}"))
+            elif proc.exitcode not in (None, 0):
+                reasons.append((False, f"rank {rank} died (exit code {proc.exitcode})"))
+        reasons.sort(key=lambda r: r[0])
+        raise RankFailure("\n".join(text for _, text in reasons) or "a rank exited unexpectedly")
 
     def close(self) -> None:
         """Stop every rank: ask politely, then terminate, then kill (idempotent)."""

@@ -1,0 +1,102 @@
+"""The command line: answers, JSON output, and one-line errors with exit code 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+
+def braid(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "braid.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def rank_processes() -> set[int]:
+    found = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "multiprocessing.spawn" in cmdline and proc.pid != os.getpid():
+            found.add(proc.pid)
+    return found
+
+
+def assert_user_error(result: subprocess.CompletedProcess, *phrases: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1, result.stderr
+    for phrase in phrases:
+        assert phrase in error_lines[0]
+
+
+def test_generate_tp2_json_answers_the_question():
+    before = rank_processes()
+    result = braid("generate", "--tp", "2", "--chat", "--temperature", "0",
+                   "--max-new-tokens", "24", "--json", "What is the capital of France?",
+                   "Say hello.")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["What is the capital of France?", "Say hello."]
+    assert "Paris" in rows[0]["text"]
+    assert all(isinstance(t, int) for r in rows for t in r["token_ids"])
+    assert rank_processes() <= before
+
+
+def test_unknown_model_path():
+    assert_user_error(braid("generate", "--model", "/no/such/model.gguf", "hi"),
+                      "/no/such/model.gguf", "does not exist")
+
+
+def test_tp_zero():
+    assert_user_error(braid("generate", "--tp", "0", "hi"), "--tp")
+
+
+def test_gguf_of_unsupported_architecture(tmp_path: Path):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "tiny-gpt2.gguf"
+    writer = GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_user_error(braid("generate", "--model", str(path), "hi"), "gpt2", "not supported")
+
+
+def test_prompt_longer_than_the_context():
+    before = rank_processes()
+    result = braid("generate", "--tp", "2", "--max-total-tokens", "20000",
+                   "word " * 9000)
+    assert_user_error(result, "context of 8192 tokens")
+    assert rank_processes() <= before
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="the message names 2 cores")
+def test_more_ranks_than_cores_warns():
+    result = braid("generate", "--tp", "3", "--temperature", "0", "--max-new-tokens", "2", "Hi")
+    assert result.returncode == 0, result.stderr
+    assert "warning: --tp 3 exceeds the 2 usable cores" in result.stderr
+
+
+def test_checkpoint_missing_a_weight_fails_naming_it(safetensors_folder, tmp_path: Path):
+    # The same weights, but a config that asks for one more layer than they hold.
+    folder = tmp_path / "one-layer-too-many"
+    folder.mkdir()
+    for item in Path(safetensors_folder).iterdir():
+        (folder / item.name).symlink_to(item)
+    config = json.loads((Path(safetensors_folder) / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps(config))
+    result = braid("generate", "--model", str(folder), "--tp", "2", "hi")
+    assert result.returncode != 0
+    assert "missing weights: model.layers.30." in result.stderr

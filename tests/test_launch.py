@@ -1,0 +1,79 @@
+"""The launcher: ranks run, and a rank that raises or dies brings the launch down quickly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import rank_targets
+
+from braid.distributed.launch import RankFailure, RankGroup, cores_for_rank
+
+TESTS = Path(__file__).parent
+
+
+def test_cores_are_shared_out_per_rank():
+    assert cores_for_rank(0, 2, [0, 1]) == [0]
+    assert cores_for_rank(1, 2, [0, 1]) == [1]
+    assert cores_for_rank(1, 2, [0, 1, 2, 3]) == [2, 3]
+    assert cores_for_rank(2, 3, [0, 1]) == [0]  # oversubscribed: wraps around, one core each
+
+
+def test_ranks_run_collectives_and_stop_cleanly():
+    group = RankGroup(2, rank_targets.echo)
+    assert group.gather(timeout=60) == ["ready", "ready"]
+    group.send_all(("value", 3))
+    assert group.gather(timeout=30) == [(0, 6.0), (1, 6.0)]
+    pids = [p.pid for p in group.procs]
+    group.close()
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+                   for pid in pids)
+
+
+def test_a_rank_that_raises_fails_the_launch_within_10s():
+    group = RankGroup(2, rank_targets.raise_on_rank_1)
+    group.gather(timeout=60)
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="injected failure on rank 1"):
+        group.request(("go", None))
+    assert time.monotonic() - start < 10
+    assert all(not p.is_alive() for p in group.procs)
+
+
+def test_a_killed_rank_fails_the_launch():
+    group = RankGroup(2, rank_targets.echo)
+    group.gather(timeout=60)
+    os.kill(group.procs[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 died \(exit code -9\)"):
+        group.request(("value", 1))
+    assert time.monotonic() - start < 10
+    assert all(not p.is_alive() for p in group.procs)
+
+
+def test_the_launching_process_exits_nonzero_within_10s():
+    script = textwrap.dedent("""
+        import sys, time
+        sys.path.insert(0, %r)
+        import rank_targets
+        from braid.distributed.launch import RankFailure, RankGroup
+        if __name__ == "__main__":
+            group = RankGroup(2, rank_targets.raise_on_rank_1)
+            group.gather()
+            print("go", time.monotonic(), flush=True)
+            group.request(("go", None))
+    """ % str(TESTS))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    ended = time.monotonic()
+    assert proc.returncode != 0
+    assert "injected failure on rank 1" in proc.stderr
+    started = float(proc.stdout.split()[1])
+    assert ended - started < 10

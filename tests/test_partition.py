@@ -1,0 +1,71 @@
+"""How heads, MLP columns and vocabulary are split over ranks, evenly or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from braid.config import UserError
+from braid.layers.partition import partition_heads, split_range, split_sizes
+from braid.loader.gguf import unpermute_rotary
+
+
+def test_split_sizes_puts_remainders_first():
+    assert split_sizes(1536, 2) == [768, 768]
+    assert split_sizes(49152, 5) == [9831, 9831, 9830, 9830, 9830]
+    assert split_sizes(10, 3) == [4, 3, 3]
+    assert [split_range(10, 3, r) for r in range(3)] == [(0, 4), (4, 3), (7, 3)]
+
+
+def test_smollm_heads_split_unevenly_at_tp2():
+    # 9 query heads in 3 KV groups of 3: rank 0 takes two groups, rank 1 one.
+    shards = partition_heads(9, 3, 2)
+    assert [(s.q_start, s.q_count, s.kv_start, s.kv_count) for s in shards] == [
+        (0, 6, 0, 2), (6, 3, 2, 1)]
+
+
+def test_heads_even_split_at_tp3():
+    shards = partition_heads(9, 3, 3)
+    assert [(s.q_start, s.q_count, s.kv_start, s.kv_count) for s in shards] == [
+        (0, 3, 0, 1), (3, 3, 1, 1), (6, 3, 2, 1)]
+
+
+def test_kv_heads_replicated_when_ranks_outnumber_them():
+    shards = partition_heads(9, 3, 4)
+    # Ranks 0 and 1 share KV head 0 and split its 3 query heads; ranks 2 and 3 own one KV each.
+    assert [(s.q_start, s.q_count, s.kv_start, s.kv_count) for s in shards] == [
+        (0, 2, 0, 1), (2, 1, 0, 1), (3, 3, 1, 1), (6, 3, 2, 1)]
+    shards = partition_heads(32, 8, 16)
+    assert all(s.q_count == 2 and s.kv_count == 1 for s in shards)
+    covered = sorted(q for s in shards for q in range(s.q_start, s.q_start + s.q_count))
+    assert covered == list(range(32))
+
+
+def test_every_query_head_is_owned_exactly_once():
+    for heads, kv in [(9, 3), (12, 4), (14, 2), (8, 8)]:
+        for tp in range(1, heads + 1):
+            shards = partition_heads(heads, kv, tp)
+            owned = sorted(q for s in shards for q in range(s.q_start, s.q_start + s.q_count))
+            assert owned == list(range(heads)), (heads, kv, tp)
+            for s in shards:  # a rank's query heads all read one of its KV heads
+                assert s.q_count > 0
+                group = heads // kv
+                assert s.kv_start <= s.q_start // group
+                assert (s.q_start + s.q_count - 1) // group < s.kv_start + s.kv_count
+
+
+def test_no_valid_split_is_a_user_error():
+    with pytest.raises(UserError, match="--tp 10"):
+        partition_heads(9, 3, 10)
+    with pytest.raises(UserError, match="multiple"):
+        partition_heads(10, 3, 2)
+
+
+def test_unpermute_rotary_inverts_llama_cpp_permutation():
+    heads, head_dim, cols = 3, 8, 5
+    w = torch.randn(heads * head_dim, cols)
+    # llama.cpp's convert script: per head, rows (2, half) -> (half, 2).
+    permuted = w.reshape(heads, 2, head_dim // 2, cols).transpose(1, 2).reshape(w.shape)
+    assert torch.equal(unpermute_rotary(permuted, heads), w)
+    # Head by head, as a rank slices it.
+    assert torch.equal(unpermute_rotary(permuted[head_dim:], heads - 1), w[head_dim:])
