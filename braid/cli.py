@@ -7,7 +7,7 @@ import json
 import sys
 import warnings
 
-from braid.config import DTYPES, UserError
+from braid.config import DTYPE_CHOICES, UserError
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +15,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="auto: bf16 where computed natively (CUDA, AVX512-BF16, AMX), "
+                             "else fp32")
     parser.add_argument("--comm", choices=["torch"], default="torch",
                         help="collective backend: torch.distributed (gloo on CPU)")
     parser.add_argument("--skip-comm", action="store_true",

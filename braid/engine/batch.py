@@ -1,4 +1,4 @@
-"""What one forward step computes: the plan sent to every rank and the ForwardBatch built from it."""
+"""One forward step: the plan sent to every rank and the ForwardBatch built from it."""
 
 from __future__ import annotations
 
@@ -45,9 +45,10 @@ class StepPlan:
 class AttentionMetadata:
     """Index tensors for attention over the paged KV cache, built once per step for all layers.
 
-    Sequences are laid out padded, [B, max_q] queries against [B, max_kv] keys. When every
-    sequence is a fresh prompt of the same length (`fresh_causal`), keys come straight from the
-    new tokens and attention is plainly causal, so no gather or mask is needed.
+    Sequences are laid out padded, [B, max_q] queries against [B, blocks * block_size] keys
+    gathered block by block through the block tables. When every sequence is a fresh prompt of
+    the same length (`fresh_causal`), keys come straight from the new tokens and attention is
+    plainly causal, so no gather or mask is needed.
     """
 
     batch_size: int
@@ -55,29 +56,26 @@ class AttentionMetadata:
     fresh_causal: bool
     q_gather: torch.Tensor | None  # [B * max_q] token index per padded query (None: identity)
     q_scatter: torch.Tensor | None  # [T] padded position of each real token (None: identity)
-    kv_slots: torch.Tensor | None  # [B, max_kv] cache slot per key position (0: the zero slot)
-    mask: torch.Tensor | None  # [B, 1, max_q, max_kv] bool, True = attend
+    block_tables: torch.Tensor | None  # [B, blocks] KV blocks of each sequence
+    mask: torch.Tensor | None  # [B, 1, max_q, blocks * block_size] bool, True = attend
 
 
 def build_attention_metadata(plan: StepPlan, block_size: int,
                              device: torch.device) -> AttentionMetadata:
-    """Index tensors for one step; padded key positions read slot 0, which is kept zero."""
+    """Index tensors and mask for one step; keys past a sequence's length are masked out."""
     q_lens = torch.from_numpy(plan.q_lens)
     kv_lens = torch.from_numpy(plan.kv_lens)
     batch, max_q = len(plan.q_lens), int(q_lens.max())
     if bool((q_lens == kv_lens).all()) and bool((q_lens == max_q).all()):
         return AttentionMetadata(batch, max_q, True, None, None, None, None)
-    max_kv = int(kv_lens.max())
-    j = torch.arange(max_kv)
-    tables = torch.from_numpy(plan.block_tables)
-    slots = tables.gather(1, (j // block_size).expand(batch, -1)) * block_size + j % block_size
-    key_valid = j < kv_lens[:, None]
-    slots = slots.masked_fill(~key_valid, 0)
+    num_blocks = -(-int(kv_lens.max()) // block_size)
+    tables = torch.from_numpy(plan.block_tables[:, :num_blocks])
+    j = torch.arange(num_blocks * block_size)
     i = torch.arange(max_q)
     query_valid = i[None, :] < q_lens[:, None]  # [B, max_q]
     causal_limit = (kv_lens - q_lens)[:, None, None] + i[None, :, None]  # [B, max_q, 1]
-    mask = (j[None, None, :] <= causal_limit) & key_valid[:, None, :]
-    # Padded query rows attend to slot 0 only, so no row is fully masked (that would give NaN).
+    mask = (j[None, None, :] <= causal_limit) & (j < kv_lens[:, None])[:, None, :]
+    # Padded query rows attend to key 0 only, so no row is fully masked (that would give NaN).
     mask |= (~query_valid)[:, :, None] & (j == 0)[None, None, :]
     q_gather = q_scatter = None
     if max_q > 1 and not bool((q_lens == max_q).all()):
@@ -85,7 +83,7 @@ def build_attention_metadata(plan: StepPlan, block_size: int,
         q_gather = (starts[:, None] + i[None, :]).masked_fill(~query_valid, 0).reshape(-1)
         q_scatter = (torch.arange(batch)[:, None] * max_q + i[None, :])[query_valid]
         q_gather, q_scatter = q_gather.to(device), q_scatter.to(device)
-    return AttentionMetadata(batch, max_q, False, q_gather, q_scatter, slots.to(device),
+    return AttentionMetadata(batch, max_q, False, q_gather, q_scatter, tables.to(device),
                              mask[:, None].to(device))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class BlockAllocator:
-    """Hands out fixed-size KV blocks. Block 0 is reserved (padding reads its zero slot)."""
+    """Hands out fixed-size KV blocks. Block 0 is never handed out: block tables pad with it."""
 
     def __init__(self, num_tokens: int, block_size: int) -> None:
         self.block_size = block_size

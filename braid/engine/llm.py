@@ -22,11 +22,12 @@ from braid.models.registry import model_class
 class LLM:
     """A model served by `tp` rank processes; the calling process schedules and tokenizes.
 
+    `dtype="auto"` picks bf16 where the hardware computes it natively, else fp32.
     Keyword arguments beyond `model`, `tp` and `dtype` are `EngineConfig` fields
     (`max_total_tokens`, `comm`, `skip_comm`, ...). Use as a context manager or call `close()`.
     """
 
-    def __init__(self, model: str | None = None, tp: int = 1, dtype: str = "bf16",
+    def __init__(self, model: str | None = None, tp: int = 1, dtype: str = "auto",
                  **engine_args) -> None:
         self.config = EngineConfig(model=model or default_model_path(), tp=tp, dtype=dtype,
                                    **engine_args)

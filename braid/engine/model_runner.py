@@ -10,6 +10,7 @@ import torch
 from braid.config import EngineConfig, ModelConfig
 from braid.distributed.comm import Communicator
 from braid.engine.batch import ForwardBatch, StepPlan
+from braid.engine.kv_cache import BlockAllocator
 from braid.engine.sampler import sample
 from braid.loader.weights import load_weights
 from braid.models.registry import model_class
@@ -53,15 +54,12 @@ class ModelRunner:
         self._allocate_kv_cache()
 
     def _allocate_kv_cache(self) -> None:
-        # One extra block: block 0 is reserved; its first slot stays zero for padded reads.
-        num_slots = (self.engine.max_total_tokens // self.engine.block_size + 1) \
-            * self.engine.block_size
+        # Zeroed: masked-out keys must still be finite (0 * NaN would poison the output).
+        num_blocks = BlockAllocator(self.engine.max_total_tokens, self.engine.block_size).num_blocks
         for attn in self.model.attention_layers():
-            shape = (num_slots, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.empty(shape, dtype=self.engine.torch_dtype, device=self.device)
-            attn.v_cache = torch.empty(shape, dtype=self.engine.torch_dtype, device=self.device)
-            attn.k_cache[0].zero_()
-            attn.v_cache[0].zero_()
+            shape = (num_blocks, self.engine.block_size, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=self.engine.torch_dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.engine.torch_dtype, device=self.device)
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult | None:

@@ -12,8 +12,9 @@ from braid.engine.batch import ForwardBatch
 class PagedAttention(nn.Module):
     """Writes the step's keys and values into the cache, then attends over each sequence's cache.
 
-    The cache tensors (`[num_slots, kv_heads, head_dim]`) are attached by the model runner after
-    it has sized the cache; slot 0 is reserved and kept zero (padding reads it).
+    The cache tensors (`[num_blocks, block_size, kv_heads, head_dim]`) are attached by the model
+    runner after it has sized the cache. They start zeroed, so the unused tail of a sequence's
+    last block holds finite values, which the mask then excludes.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -27,8 +28,8 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
-        self.k_cache[batch.slot_mapping] = k
-        self.v_cache[batch.slot_mapping] = v
+        self.k_cache.view(-1, *k.shape[1:])[batch.slot_mapping] = k
+        self.v_cache.view(-1, *v.shape[1:])[batch.slot_mapping] = v
         meta = batch.attn
         b, max_q = meta.batch_size, meta.max_q
         gqa = self.num_heads != self.num_kv_heads
@@ -40,10 +41,18 @@ class PagedAttention(nn.Module):
                 is_causal=True, enable_gqa=gqa)
             return out.transpose(1, 2).reshape(batch.num_tokens, -1)
         q_padded = q if meta.q_gather is None else q[meta.q_gather]
-        keys = self.k_cache[meta.kv_slots].transpose(1, 2)  # [B, kv_heads, max_kv, D]
-        values = self.v_cache[meta.kv_slots].transpose(1, 2)
+        keys = _gather_blocks(self.k_cache, meta.block_tables)  # [B, kv_heads, keys, D]
+        values = _gather_blocks(self.v_cache, meta.block_tables)
         out = F.scaled_dot_product_attention(
             q_padded.view(b, max_q, -1, self.head_dim).transpose(1, 2), keys, values,
             attn_mask=meta.mask, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(b * max_q, -1)
         return out if meta.q_scatter is None else out[meta.q_scatter]
+
+
+def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[B, blocks] block ids -> [B, kv_heads, blocks * block_size, D], one row copy per block
+    (index_select on a 2-D view copies whole rows, several times faster than fancy indexing)."""
+    num_blocks, block_size, kv_heads, head_dim = cache.shape
+    rows = cache.view(num_blocks, -1).index_select(0, block_tables.flatten())
+    return rows.view(block_tables.shape[0], -1, kv_heads, head_dim).transpose(1, 2)

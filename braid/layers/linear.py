@@ -64,7 +64,7 @@ class ColumnParallelLinear(nn.Module):
         if shard_ranges is None:
             shard_ranges = [split_range(o, comm.world_size, comm.rank) for o in out_features]
         self.shard_ranges = list(shard_ranges)
-        self.shard_ids = list(shard_ids) if shard_ids is not None else list(range(len(out_features)))
+        self.shard_ids = list(shard_ids if shard_ids is not None else range(len(out_features)))
         self.local_sizes = [size for _, size in self.shard_ranges]
         self.weight = _param(sum(self.local_sizes), in_features, dtype=dtype)
         self.weight.weight_loader = self.load_shard

@@ -46,8 +46,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos = self.cos.index_select(0, positions).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -1,0 +1,193 @@
+"""`braid bench-one-batch`: latency of one static batch, printed as SGLang's bench_one_batch does.
+
+A batch of `batch_size` random prompts of `input_len` tokens is prefilled in one step, then
+decoded greedily for `output_len - 1` steps. `--backend hf` runs the same workload through
+Hugging Face transformers (dense weights, its KV cache, logits of the last token only) in this
+process with the same total number of threads, so ratios can be taken side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from braid.config import (
+    DTYPES,
+    UserError,
+    default_model_path,
+    load_model_config,
+    resolve_dtype,
+    usable_cores,
+)
+from braid.distributed.launch import RankGroup
+
+
+@dataclass
+class BenchResult:
+    prefill_latency: float
+    decode_latencies: list[float]
+
+    def row(self, batch_size: int, input_len: int, output_len: int) -> dict:
+        median = statistics.median(self.decode_latencies) if self.decode_latencies else 0.0
+        total = self.prefill_latency + sum(self.decode_latencies)
+        return {
+            "prefill_latency": self.prefill_latency,
+            "prefill_throughput": batch_size * input_len / self.prefill_latency,
+            "median_decode_latency": median,
+            "median_decode_throughput": batch_size / median if median else 0.0,
+            "total_latency": total,
+            "overall_throughput": batch_size * (input_len + output_len) / total,
+        }
+
+
+def random_prompts(batch_size: int, input_len: int, vocab_size: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab_size, (batch_size, input_len))
+
+
+def time_steps(prefill: Callable[[], None], decode: Callable[[], None],
+               output_len: int) -> BenchResult:
+    start = time.perf_counter()
+    prefill()
+    prefill_latency = time.perf_counter() - start
+    decode_latencies = []
+    for _ in range(output_len - 1):
+        start = time.perf_counter()
+        decode()
+        decode_latencies.append(time.perf_counter() - start)
+    return BenchResult(prefill_latency, decode_latencies)
+
+
+class BraidWorkload:
+    """The batch through braid's engine: one prefill step, then one decode step at a time."""
+
+    def __init__(self, args: argparse.Namespace, prompts: np.ndarray) -> None:
+        from braid.engine.llm import LLM
+
+        bs, input_len = prompts.shape
+        needed = bs * (input_len + args.output_len + 16)
+        self.llm = LLM(args.model, tp=args.tp, dtype=args.dtype, comm=args.comm,
+                       skip_comm=args.skip_comm,
+                       max_total_tokens=max(args.max_total_tokens, needed),
+                       max_prefill_tokens=bs * input_len, max_running_requests=bs)
+        self.prompts = prompts
+
+    def run(self, output_len: int) -> BenchResult:
+        from braid.engine.request import SamplingParams
+
+        params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
+        for ids in self.prompts:
+            self.llm.add_request(ids.tolist(), params)
+        result = time_steps(self.llm.step, self.llm.step, output_len)
+        assert not self.llm.scheduler.has_work
+        return result
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class HFWorkload:
+    """The batch through Hugging Face transformers' dense model and its own KV cache.
+
+    It runs in one rank process started like braid's (same core pinning, all cores' threads,
+    same allocator settings), so the comparison differs only in the engine.
+    """
+
+    def __init__(self, args: argparse.Namespace, prompts: np.ndarray) -> None:
+        if args.tp != 1:
+            raise UserError("--backend hf runs one process; use it with --tp 1")
+        self.group = RankGroup(1, hf_worker, (args.model, args.dtype, prompts))
+        self.group.gather()
+
+    def run(self, output_len: int) -> BenchResult:
+        return self.group.request(("run", output_len))
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def hf_worker(rank: int, world_size: int, conn, model: str, dtype: str,
+              prompts: np.ndarray) -> None:
+    """Rank entry point for `HFWorkload`: load the model, then time each requested run."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    path = Path(model)
+    kwargs = {"gguf_file": path.name} if path.is_file() else {}
+    folder = str(path.parent) if path.is_file() else str(path)
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype], **kwargs).eval()
+    input_ids = torch.from_numpy(prompts)
+    conn.send(("ok", "ready"))
+    while True:
+        kind, output_len = conn.recv()
+        if kind == "stop":
+            return
+        conn.send(("ok", _time_hf(hf_model, input_ids, output_len)))
+
+
+@torch.inference_mode()
+def _time_hf(hf_model, input_ids: torch.Tensor, output_len: int) -> BenchResult:
+    state = {}
+
+    def forward(ids: torch.Tensor, cache=None) -> None:
+        out = hf_model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        state["cache"], state["next"] = out.past_key_values, out.logits[:, -1].argmax(-1)
+
+    return time_steps(lambda: forward(input_ids),
+                      lambda: forward(state["next"][:, None], state["cache"]), output_len)
+
+
+def print_result(result: BenchResult, batch_size: int, input_len: int, output_len: int) -> dict:
+    row = result.row(batch_size, input_len, output_len)
+    print(f"Prefill. latency: {row['prefill_latency']:6.5f} s, "
+          f"throughput: {row['prefill_throughput']:9.2f} token/s")
+    for i, latency in enumerate(result.decode_latencies[:5]):
+        print(f"Decode {i}. Batch size: {batch_size}, latency: {latency:6.5f} s, "
+              f"throughput: {batch_size / latency:9.2f} token/s")
+    print(f"Decode.  median latency: {row['median_decode_latency']:6.5f} s, "
+          f"median throughput: {row['median_decode_throughput']:9.2f} token/s")
+    print(f"Total. latency: {row['total_latency']:6.3f} s, "
+          f"throughput: {row['overall_throughput']:9.2f} token/s")
+    return row
+
+
+def run_bench_one_batch(args: argparse.Namespace) -> dict:
+    """Run the benchmark as the CLI flags say; print SGLang's lines; append a JSONL row."""
+    for flag in ("batch_size", "input_len", "output_len"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
+    args.model = args.model or default_model_path()
+    args.dtype = resolve_dtype(args.dtype)
+    config = load_model_config(args.model)
+    if args.input_len + args.output_len > config.max_position_embeddings:
+        raise UserError(f"--input-len + --output-len exceeds the model's context of "
+                        f"{config.max_position_embeddings} tokens")
+    prompts = random_prompts(args.batch_size, args.input_len, config.vocab_size)
+    workload = (HFWorkload if args.backend == "hf" else BraidWorkload)(args, prompts)
+    try:
+        for _ in range(args.warmup):
+            workload.run(min(args.output_len, 4))
+        result = workload.run(args.output_len)
+    finally:
+        workload.close()
+    print(f"Benchmark: backend={args.backend} tp={args.tp} dtype={args.dtype} "
+          f"comm={args.comm}{' skip_comm' if args.skip_comm else ''} "
+          f"batch_size={args.batch_size} input_len={args.input_len} "
+          f"output_len={args.output_len} cores={len(usable_cores())}")
+    row = {"backend": args.backend, "model": args.model, "tp": args.tp, "dtype": args.dtype,
+           "comm": args.comm, "skip_comm": args.skip_comm, "batch_size": args.batch_size,
+           "input_len": args.input_len, "output_len": args.output_len,
+           **print_result(result, args.batch_size, args.input_len, args.output_len)}
+    if args.result_file:
+        with open(args.result_file, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
