@@ -24,11 +24,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="turn collectives into no-ops (wrong outputs; timing only)")
     parser.add_argument("--max-total-tokens", type=int, default=32768,
                         help="KV cache capacity in tokens")
+    parser.add_argument("--max-prefill-tokens", type=int, default=8192,
+                        help="token budget of one prefill step; longer prompts are chunked")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, tp=args.tp, dtype=args.dtype, comm=args.comm,
-                skip_comm=args.skip_comm, max_total_tokens=args.max_total_tokens)
+                skip_comm=args.skip_comm, max_total_tokens=args.max_total_tokens,
+                max_prefill_tokens=args.max_prefill_tokens)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

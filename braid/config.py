@@ -149,6 +149,8 @@ class EngineConfig:
             raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.comm not in ("torch",):
             raise UserError(f"--comm must be 'torch', got {self.comm!r}")
+        if self.max_prefill_tokens < 1:
+            raise UserError("--max-prefill-tokens must be at least 1")
         if self.max_total_tokens < self.block_size * 2:
             raise UserError("--max-total-tokens is too small to hold one block of KV cache")
 

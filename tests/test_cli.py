@@ -100,3 +100,25 @@ def test_checkpoint_missing_a_weight_fails_naming_it(safetensors_folder, tmp_pat
     result = braid("generate", "--model", str(folder), "--tp", "2", "hi")
     assert result.returncode != 0
     assert "missing weights: model.layers.30." in result.stderr
+
+
+BENCH_KEYS = {"backend", "model", "tp", "dtype", "batch_size", "input_len", "output_len",
+              "prefill_latency", "prefill_throughput", "median_decode_latency",
+              "median_decode_throughput", "total_latency", "overall_throughput"}
+
+
+@pytest.mark.parametrize("backend_args", [["--tp", "2"], ["--backend", "hf"]])
+def test_bench_one_batch_prints_sglang_lines_and_a_jsonl_row(backend_args, tmp_path: Path):
+    result_file = tmp_path / "bench.jsonl"
+    result = braid("bench-one-batch", "--batch-size", "2", "--input-len", "16",
+                   "--output-len", "4", "--result-file", str(result_file), *backend_args)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("Prefill. latency: ") and "token/s" in line for line in lines)
+    assert sum(line.startswith("Decode ") for line in lines) == 3
+    assert any(line.startswith("Decode.  median latency: ") for line in lines)
+    assert any(line.startswith("Total. latency: ") for line in lines)
+    (row,) = [json.loads(line) for line in result_file.read_text().splitlines()]
+    assert BENCH_KEYS <= set(row)
+    assert row["batch_size"] == 2 and row["input_len"] == 16 and row["output_len"] == 4
+    assert row["prefill_throughput"] > 0 and row["median_decode_throughput"] > 0

@@ -76,7 +76,8 @@ class BraidWorkload:
         self.llm = LLM(args.model, tp=args.tp, dtype=args.dtype, comm=args.comm,
                        skip_comm=args.skip_comm,
                        max_total_tokens=max(args.max_total_tokens, needed),
-                       max_prefill_tokens=bs * input_len, max_running_requests=bs)
+                       max_prefill_tokens=max(args.max_prefill_tokens, bs * input_len),
+                       max_running_requests=bs)
         self.prompts = prompts
 
     def run(self, output_len: int) -> BenchResult:

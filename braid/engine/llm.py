@@ -120,6 +120,7 @@ class LLM:
         for seq in seqs:
             seq.blocks = self.allocator.allocate(
                 self.allocator.blocks_needed(seq.num_tokens, 0))
+            seq.scheduled_tokens = seq.num_tokens
         try:
             plan = replace(self.scheduler.build_plan(seqs), sampling=None, return_logits="all")
             result: StepResult = self.ranks.request(("step", plan))

@@ -40,6 +40,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose keys and values are in the cache
+    scheduled_tokens: int = 0  # tokens the current step computes
     finish_reason: str | None = None
 
     @property

@@ -27,6 +27,7 @@ class Scheduler:
         self.max_context = max_context
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -43,14 +44,16 @@ class Scheduler:
         return self.build_plan(batch), batch
 
     def _take_prefill(self) -> list[Sequence]:
+        """Waiting sequences up to the prefill token budget; a prompt longer than what is left
+        of the budget is prefilled in chunks over several steps (each chunk attends to the
+        KV the earlier chunks cached)."""
         batch: list[Sequence] = []
-        tokens = 0
-        while self.waiting and len(self.running) + len(batch) < self.max_running:
+        budget = self.max_prefill_tokens
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            new_tokens = seq.num_tokens - seq.num_computed
-            if batch and tokens + new_tokens > self.max_prefill_tokens:
-                break
-            need = self.allocator.blocks_needed(seq.num_tokens, len(seq.blocks))
+            remaining = seq.num_tokens - seq.num_computed
+            chunk = min(remaining, budget)
+            need = self.allocator.blocks_needed(seq.num_computed + chunk, len(seq.blocks))
             if need > self.allocator.num_free:
                 if not batch and not self.running:
                     raise MemoryError(f"a request of {seq.num_tokens} tokens does not fit in the "
@@ -58,9 +61,12 @@ class Scheduler:
                                       "raise --max-total-tokens")
                 break
             seq.blocks += self.allocator.allocate(need)
-            batch.append(self.waiting.popleft())
-            tokens += new_tokens
-        self.running += batch
+            seq.scheduled_tokens = chunk
+            batch.append(seq)
+            budget -= chunk
+            if chunk < remaining:  # stays first in line for its next chunk
+                break
+            self.running.append(self.waiting.popleft())
         return batch
 
     def _take_decode(self) -> list[Sequence]:
@@ -75,10 +81,12 @@ class Scheduler:
                 self._preempt(seq)
                 continue
             seq.blocks += self.allocator.allocate(need)
+            seq.scheduled_tokens = 1
             batch.append(seq)
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.allocator.free(seq.blocks)
         seq.blocks, seq.num_computed = [], 0
@@ -86,10 +94,12 @@ class Scheduler:
 
     def build_plan(self, batch: list[Sequence]) -> StepPlan:
         block_size = self.allocator.block_size
-        q_lens = np.array([s.num_tokens - s.num_computed for s in batch], dtype=np.int64)
-        kv_lens = np.array([s.num_tokens for s in batch], dtype=np.int64)
-        positions = np.concatenate([np.arange(s.num_computed, s.num_tokens) for s in batch])
-        input_ids = np.array([t for s in batch for t in s.tokens[s.num_computed:]],
+        q_lens = np.array([s.scheduled_tokens for s in batch], dtype=np.int64)
+        kv_lens = np.array([s.num_computed + s.scheduled_tokens for s in batch], dtype=np.int64)
+        positions = np.concatenate([np.arange(s.num_computed, s.num_computed + s.scheduled_tokens)
+                                    for s in batch])
+        input_ids = np.array([t for s in batch
+                              for t in s.tokens[s.num_computed:s.num_computed + s.scheduled_tokens]],
                              dtype=np.int64)
         tables = np.zeros((len(batch), max(len(s.blocks) for s in batch)), dtype=np.int64)
         for row, s in enumerate(batch):
@@ -108,10 +118,16 @@ class Scheduler:
                         kv_lens, tables, sampling)
 
     def commit(self, batch: list[Sequence], next_tokens: list[int]) -> list[Sequence]:
-        """Record the step's sampled tokens; return the sequences that finished."""
+        """Record the step's sampled tokens; return the sequences that finished.
+
+        A sequence whose prompt is only partly prefilled discards its token: it was sampled
+        from the middle of the prompt.
+        """
         finished = []
         for seq, token in zip(batch, next_tokens):
-            seq.num_computed = seq.num_tokens
+            seq.num_computed += seq.scheduled_tokens
+            if seq.num_computed < seq.num_tokens:
+                continue
             seq.output_ids.append(token)
             params = seq.params
             if token in params.stop_token_ids or (
