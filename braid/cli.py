@@ -90,9 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.formatwarning = lambda msg, cat, *a, **k: f"warning: {msg}\n"
-    from braid.distributed.launch import RankFailure
+    from braid.distributed.launch import RankFailure, run_torchrun_worker, torchrun_rank
 
     try:
+        launched = torchrun_rank()
+        if launched is not None and launched[0] != 0:
+            # Under torchrun only rank 0 runs the command; the others serve its steps.
+            from braid.engine.worker import worker_main
+
+            run_torchrun_worker(worker_main)
+            return 0
         args.func(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -122,3 +122,15 @@ def test_bench_one_batch_prints_sglang_lines_and_a_jsonl_row(backend_args, tmp_p
     assert BENCH_KEYS <= set(row)
     assert row["batch_size"] == 2 and row["input_len"] == 16 and row["output_len"] == 4
     assert row["prefill_throughput"] > 0 and row["median_decode_throughput"] > 0
+
+
+def test_torchrun_launch_matches_spawned_ranks():
+    args = ["generate", "--tp", "2", "--temperature", "0", "--max-new-tokens", "8", "--json",
+            "The capital of France is"]
+    spawned = braid(*args)
+    launched = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "-m", "braid.cli", *args], capture_output=True, text=True, timeout=300)
+    assert spawned.returncode == 0 and launched.returncode == 0, launched.stderr
+    assert launched.stdout.strip() == spawned.stdout.strip()
+    assert "Paris" in json.loads(launched.stdout)["text"]

@@ -22,7 +22,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import NoReturn
 
-from braid.config import usable_cores
+from braid.config import UserError, usable_cores
 
 POLL_S = 0.05
 # glibc malloc settings for rank processes: keep freed memory instead of returning large blocks
@@ -212,3 +212,124 @@ class RankGroup:
         for conn in self.conns:
             conn.close()
         atexit.unregister(self.close)
+
+
+# --- Ranks started by torchrun ---------------------------------------------------------------
+# torchrun starts every rank itself (possibly on several hosts) and tears the job down when any
+# of them fails. Rank 0 is the driver: its own rank runs in a thread beside it, and step plans
+# reach the other ranks by broadcast over a separate gloo group (so they never interleave with
+# the model's collectives on the default group).
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world size) when this process was started by torchrun, else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _init_torchrun_process() -> object:
+    """Pin this rank's cores, join the default group (env://), return the control group."""
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cores = cores_for_rank(local_rank, local_world, usable_cores())
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="env://")
+    return dist.new_group(backend="gloo")
+
+
+class _BroadcastConn:
+    """The pipe end a non-zero torchrun rank reads: messages come by broadcast from rank 0;
+    what it sends is dropped (only rank 0 answers the driver)."""
+
+    def __init__(self, group: object) -> None:
+        self.group = group
+
+    def recv(self) -> object:
+        import torch.distributed as dist
+
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def send(self, message: object) -> None:
+        pass
+
+
+def run_torchrun_worker(target: Callable) -> None:
+    """Body of a non-zero torchrun rank: take the target's arguments from rank 0, then serve
+    rank 0's broadcasts until told to stop."""
+    rank, world_size = torchrun_rank()
+    conn = _BroadcastConn(_init_torchrun_process())
+    target(rank, world_size, conn, *conn.recv())
+
+
+class TorchrunGroup:
+    """`RankGroup`'s interface on rank 0 of a torchrun launch (see the note above)."""
+
+    def __init__(self, world_size: int, target: Callable, args: tuple = ()) -> None:
+        import threading
+
+        rank, launched = torchrun_rank()
+        if rank != 0:
+            raise RuntimeError("only torchrun's rank 0 drives; others run run_torchrun_worker")
+        if world_size != launched:
+            raise UserError(f"--tp {world_size} but torchrun started {launched} processes")
+        self._control = _init_torchrun_process()
+        self._broadcast(args)  # the other ranks build the same engine from these
+        self._conn, child = mp.Pipe()
+        self._closed = False
+
+        def run_rank0() -> None:
+            try:
+                target(0, world_size, child, *args)
+            except BaseException:  # noqa: BLE001 - reported to the driver thread
+                child.send(("error", traceback.format_exc()))
+
+        self._thread = threading.Thread(target=run_rank0, name="braid-rank-0", daemon=True)
+        self._thread.start()
+
+    def _broadcast(self, message: object) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([message], src=0, group=self._control)
+
+    def send_all(self, message: object) -> None:
+        self._broadcast(message)
+        self._conn.send(message)
+
+    def recv(self, rank: int = 0, timeout: float | None = None) -> object:
+        while not self._conn.poll(POLL_S):
+            if not self._thread.is_alive():
+                raise RankFailure("rank 0 stopped unexpectedly")
+        kind, value = self._conn.recv()
+        if kind == "error":
+            raise RankFailure(f"rank 0 failed:\n{value}")
+        return value
+
+    def gather(self, timeout: float | None = None) -> list[object]:
+        """Rank 0's answer (other ranks report to torchrun, which stops the job on failure)."""
+        return [self.recv(0, timeout)]
+
+    def request(self, message: object) -> object:
+        self.send_all(message)
+        return self.recv(0)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.send_all(("stop", None))
+            self._thread.join()
+
+
+def launch_ranks(world_size: int, target: Callable, args: tuple = ()) -> RankGroup | TorchrunGroup:
+    """Adopt torchrun's ranks when it started this process, else spawn ranks on this host."""
+    if torchrun_rank() is not None:
+        return TorchrunGroup(world_size, target, args)
+    return RankGroup(world_size, target, args)

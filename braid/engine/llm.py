@@ -9,7 +9,7 @@ from itertools import count
 import torch
 
 from braid.config import EngineConfig, UserError, default_model_path, load_model_config
-from braid.distributed.launch import RankGroup
+from braid.distributed.launch import launch_ranks
 from braid.engine.kv_cache import BlockAllocator
 from braid.engine.model_runner import StepResult
 from braid.engine.request import RequestOutput, SamplingParams, Sequence
@@ -33,7 +33,7 @@ class LLM:
                                    **engine_args)
         self.model_config = load_model_config(self.config.model)
         model_class(self.model_config)  # refuse an unsupported architecture before launching
-        self.ranks = RankGroup(tp, worker_main, (self.config, self.model_config))
+        self.ranks = launch_ranks(tp, worker_main, (self.config, self.model_config))
         try:
             self.tokenizer = load_tokenizer(self.config.model)  # while the ranks load weights
             self.ranks.gather()  # every rank reports ready
