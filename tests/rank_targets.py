@@ -24,3 +24,76 @@ def echo(rank, world_size, conn):
         total = torch.tensor([float(value)])
         dist.all_reduce(total)
         conn.send(("ok", (rank, total.item())))
+
+
+def shm_against_gloo(rank, world_size, conn, segment):
+    """Every dtype and size through shm and gloo; answers the list of mismatches."""
+    from braid.distributed.comm import TorchCommunicator
+    from braid.distributed.shm import ShmCommunicator
+
+    shm = ShmCommunicator(rank, segment)
+    slot_elems = segment.slot_bytes // 4
+    mismatches = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for numel in (1, 3, 100, slot_elems - 1, slot_elems, 2 * slot_elems + 5, 5 * slot_elems):
+            gen = torch.Generator().manual_seed(1000 * rank + numel)
+            # Small integers: every sum is exact in every dtype, so results must be equal.
+            x = torch.randint(-8, 8, (numel,), generator=gen).to(dtype)
+            expected = x.clone()
+            dist.all_reduce(expected)
+            if not torch.equal(shm.all_reduce(x.clone()), expected):
+                mismatches.append(("all_reduce", str(dtype), numel))
+            rows = [numel // 7 + r for r in range(world_size)]  # unequal rows per rank
+            part = torch.randint(-8, 8, (rows[rank], 7), generator=gen).to(dtype)
+            # gloo gathers equal sizes only: TorchCommunicator pads around it.
+            expected = TorchCommunicator(rank, world_size).all_gather(part, rows)
+            if not torch.equal(shm.all_gather(part, rows), expected):
+                mismatches.append(("all_gather", str(dtype), numel))
+    shm.close()
+    conn.send(("ok", mismatches))
+    conn.recv()
+
+
+def shm_outstanding(rank, world_size, conn, segment):
+    """Four collectives in flight at once (posted, then waited in order)."""
+    from braid.distributed.shm import ShmCommunicator
+
+    shm = ShmCommunicator(rank, segment)
+    inputs = [torch.full((50 * (i + 1),), float(rank + 1) * (i + 1)) for i in range(4)]
+    handles = [shm.all_reduce_async(x) for x in inputs[:3]]
+    handles.append(shm.all_gather_async(inputs[3]))
+    results = [h.wait() for h in handles]
+    total = sum(range(1, world_size + 1))
+    ok = all(torch.all(results[i] == total * (i + 1)) for i in range(3))
+    ok &= torch.equal(results[3], torch.cat([torch.full((200,), 4.0 * (r + 1))
+                                            for r in range(world_size)]))
+    conn.send(("ok", bool(ok)))
+    conn.recv()
+
+
+def shm_rank_1_absent(rank, world_size, conn, segment):
+    """Rank 1 never joins the collective; rank 0 answers the timeout error it gets."""
+    from braid.distributed.shm import ShmCommunicator, ShmTimeout
+
+    shm = ShmCommunicator(rank, segment, timeout_s=1.0)
+    if rank == 0:
+        try:
+            shm.all_reduce(torch.ones(4))
+            conn.send(("ok", "no error"))
+        except ShmTimeout as e:
+            conn.send(("ok", str(e)))
+    else:
+        conn.send(("ok", "absent"))
+    conn.recv()
+
+
+def shm_then_raise(rank, world_size, conn, segment):
+    from braid.distributed.shm import ShmCommunicator
+
+    shm = ShmCommunicator(rank, segment)
+    shm.all_reduce(torch.ones(4))
+    conn.send(("ok", "ready"))
+    conn.recv()
+    if rank == 1:
+        raise RuntimeError("injected failure on rank 1")
+    conn.recv()

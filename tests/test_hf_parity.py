@@ -18,10 +18,12 @@ def check_logits(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> Non
         assert diff <= LOGIT_TOLERANCE, f"prompt {i}: max |logit diff| {diff:.2e}"
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3])
-def test_logits_and_greedy_tokens_match_transformers(tp, model_path, prompt_ids, hf_reference):
+@pytest.mark.parametrize("tp,comm", [(1, "auto"), (2, "shm"), (2, "torch"), (3, "shm"),
+                                     (3, "torch")])
+def test_logits_and_greedy_tokens_match_transformers(tp, comm, model_path, prompt_ids,
+                                                     hf_reference):
     ref_logits, ref_greedy = hf_reference
-    with LLM(model_path, tp=tp, dtype="fp32") as llm:
+    with LLM(model_path, tp=tp, dtype="fp32", comm=comm) as llm:
         check_logits(llm.prompt_logits(prompt_ids), ref_logits)
         params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
         outputs = llm.generate(prompt_ids, params)  # all four prompts batched together

@@ -24,6 +24,7 @@ from braid.config import (
     UserError,
     default_model_path,
     load_model_config,
+    resolve_comm,
     resolve_dtype,
     usable_cores,
 )
@@ -74,7 +75,7 @@ class BraidWorkload:
         bs, input_len = prompts.shape
         needed = bs * (input_len + args.output_len + 16)
         self.llm = LLM(args.model, tp=args.tp, dtype=args.dtype, comm=args.comm,
-                       skip_comm=args.skip_comm,
+                       comm_timeout_s=args.comm_timeout, skip_comm=args.skip_comm,
                        max_total_tokens=max(args.max_total_tokens, needed),
                        max_prefill_tokens=max(args.max_prefill_tokens, bs * input_len),
                        max_running_requests=bs)
@@ -168,6 +169,8 @@ def run_bench_one_batch(args: argparse.Namespace) -> dict:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
     args.model = args.model or default_model_path()
     args.dtype = resolve_dtype(args.dtype)
+    if args.comm == "auto":
+        args.comm = resolve_comm()
     config = load_model_config(args.model)
     if args.input_len + args.output_len > config.max_position_embeddings:
         raise UserError(f"--input-len + --output-len exceeds the model's context of "

@@ -91,9 +91,11 @@ class RankGroup:
 
     `target` receives messages with `conn.recv()` and answers with `conn.send(("ok", value))`;
     `torch.distributed` is initialised before it runs. Exceptions are reported automatically.
+    `cleanup` runs when the group closes, on every path (shared-memory segments use it).
     """
 
-    def __init__(self, world_size: int, target: Callable, args: tuple = ()) -> None:
+    def __init__(self, world_size: int, target: Callable, args: tuple = (),
+                 cleanup: Callable[[], None] | None = None) -> None:
         import torch.distributed as dist
 
         cores = usable_cores()
@@ -105,6 +107,8 @@ class RankGroup:
         self.conns: list[Connection] = []
         self.procs: list[mp.Process] = []
         self._closed = False
+        self._cleanup = cleanup
+        atexit.register(self.close)
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
@@ -116,7 +120,6 @@ class RankGroup:
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
-        atexit.register(self.close)
 
     @property
     def world_size(self) -> int:
@@ -211,6 +214,8 @@ class RankGroup:
                 proc.join()
         for conn in self.conns:
             conn.close()
+        if self._cleanup is not None:
+            self._cleanup()
         atexit.unregister(self.close)
 
 
@@ -273,7 +278,8 @@ def run_torchrun_worker(target: Callable) -> None:
 class TorchrunGroup:
     """`RankGroup`'s interface on rank 0 of a torchrun launch (see the note above)."""
 
-    def __init__(self, world_size: int, target: Callable, args: tuple = ()) -> None:
+    def __init__(self, world_size: int, target: Callable, args: tuple = (),
+                 cleanup: Callable[[], None] | None = None) -> None:
         import threading
 
         rank, launched = torchrun_rank()
@@ -281,6 +287,7 @@ class TorchrunGroup:
             raise RuntimeError("only torchrun's rank 0 drives; others run run_torchrun_worker")
         if world_size != launched:
             raise UserError(f"--tp {world_size} but torchrun started {launched} processes")
+        self._cleanup = cleanup
         self._control = _init_torchrun_process()
         self._broadcast(args)  # the other ranks build the same engine from these
         self._conn, child = mp.Pipe()
@@ -326,10 +333,12 @@ class TorchrunGroup:
             self._closed = True
             self.send_all(("stop", None))
             self._thread.join()
+            if self._cleanup is not None:
+                self._cleanup()
 
 
-def launch_ranks(world_size: int, target: Callable, args: tuple = ()) -> RankGroup | TorchrunGroup:
+def launch_ranks(world_size: int, target: Callable, args: tuple = (),
+                 cleanup: Callable[[], None] | None = None) -> RankGroup | TorchrunGroup:
     """Adopt torchrun's ranks when it started this process, else spawn ranks on this host."""
-    if torchrun_rank() is not None:
-        return TorchrunGroup(world_size, target, args)
-    return RankGroup(world_size, target, args)
+    group = TorchrunGroup if torchrun_rank() is not None else RankGroup
+    return group(world_size, target, args, cleanup)

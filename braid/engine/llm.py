@@ -10,6 +10,7 @@ import torch
 
 from braid.config import EngineConfig, UserError, default_model_path, load_model_config
 from braid.distributed.launch import launch_ranks
+from braid.distributed.shm import ShmSegment
 from braid.engine.kv_cache import BlockAllocator
 from braid.engine.model_runner import StepResult
 from braid.engine.request import RequestOutput, SamplingParams, Sequence
@@ -33,7 +34,9 @@ class LLM:
                                    **engine_args)
         self.model_config = load_model_config(self.config.model)
         model_class(self.model_config)  # refuse an unsupported architecture before launching
-        self.ranks = launch_ranks(tp, worker_main, (self.config, self.model_config))
+        segment = ShmSegment.create(tp) if self.config.comm == "shm" and tp > 1 else None
+        self.ranks = launch_ranks(tp, worker_main, (self.config, self.model_config, segment),
+                                  cleanup=segment.unlink if segment else None)
         try:
             self.tokenizer = load_tokenizer(self.config.model)  # while the ranks load weights
             self.ranks.gather()  # every rank reports ready

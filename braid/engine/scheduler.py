@@ -96,11 +96,10 @@ class Scheduler:
         block_size = self.allocator.block_size
         q_lens = np.array([s.scheduled_tokens for s in batch], dtype=np.int64)
         kv_lens = np.array([s.num_computed + s.scheduled_tokens for s in batch], dtype=np.int64)
-        positions = np.concatenate([np.arange(s.num_computed, s.num_computed + s.scheduled_tokens)
-                                    for s in batch])
-        input_ids = np.array([t for s in batch
-                              for t in s.tokens[s.num_computed:s.num_computed + s.scheduled_tokens]],
-                             dtype=np.int64)
+        positions = np.concatenate([np.arange(s.num_computed, end)
+                                    for s, end in zip(batch, kv_lens)])
+        input_ids = np.array([t for s, end in zip(batch, kv_lens)
+                              for t in s.tokens[s.num_computed:end]], dtype=np.int64)
         tables = np.zeros((len(batch), max(len(s.blocks) for s in batch)), dtype=np.int64)
         for row, s in enumerate(batch):
             tables[row, :len(s.blocks)] = s.blocks
