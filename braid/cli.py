@@ -7,7 +7,7 @@ import json
 import sys
 import warnings
 
-from braid.config import COMM_CHOICES, DTYPE_CHOICES, UserError
+from braid.config import COMM_CHOICES, DTYPE_CHOICES, OVERLAP_CHOICES, EngineConfig, UserError
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -30,12 +30,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV cache capacity in tokens")
     parser.add_argument("--max-prefill-tokens", type=int, default=8192,
                         help="token budget of one prefill step; longer prompts are chunked")
+    parser.add_argument("--overlap", choices=OVERLAP_CHOICES, default="auto",
+                        help="two-batch overlap: on, off, or auto (on from --overlap-min-tokens)")
+    parser.add_argument("--overlap-min-tokens", type=int, default=EngineConfig.overlap_min_tokens,
+                        help="tokens per step from which --overlap auto splits the batch "
+                             "(measure yours with bench-one-batch --overlap-sweep)")
+    parser.add_argument("--tbo-token-distribution-threshold", type=float, default=0.48,
+                        help="smallest token share of a micro-batch before a sequence is cut "
+                             "in two instead")
+    parser.add_argument("--trace", default=None, metavar="FILE.json",
+                        help="write a Chrome/Perfetto trace of stages and collectives per rank "
+                             "(FILE.rank<r>.json)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, tp=args.tp, dtype=args.dtype, comm=args.comm,
                 comm_timeout_s=args.comm_timeout, skip_comm=args.skip_comm,
-                max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens)
+                max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
+                overlap=args.overlap, overlap_min_tokens=args.overlap_min_tokens,
+                tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
+                trace=args.trace)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

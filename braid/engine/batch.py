@@ -35,6 +35,8 @@ class StepPlan:
     block_tables: np.ndarray  # [B, max_blocks] int64, padded with 0
     sampling: SamplingBatch | None = None
     return_logits: str = "none"  # "none" | "last" (one row per sequence) | "all" (every token)
+    overlap: bool = False  # run as two overlapped micro-batches (the driver decides)
+    skip_comm: bool = False  # collectives as no-ops for this step (timing only)
 
     @property
     def num_tokens(self) -> int:
@@ -97,7 +99,6 @@ class ForwardBatch:
         self.positions = torch.from_numpy(plan.positions).to(device)
         self.slot_mapping = torch.from_numpy(plan.slot_mapping).to(device)
         self.attn = build_attention_metadata(plan, block_size, device)
-        # Row of each sequence's last token: in the logits, unless logits of every token are asked.
-        last = torch.from_numpy(np.cumsum(plan.q_lens) - 1).to(device)
-        self.logits_index = None if plan.return_logits == "all" else last
-        self.sample_index = last if plan.return_logits == "all" else None
+        # Logits of each sequence's last token, unless logits of every token are asked.
+        self.logits_index = (None if plan.return_logits == "all"
+                             else torch.from_numpy(np.cumsum(plan.q_lens) - 1).to(device))

@@ -11,6 +11,7 @@ import torch
 from braid.config import EngineConfig, UserError, default_model_path, load_model_config
 from braid.distributed.launch import launch_ranks
 from braid.distributed.shm import ShmSegment
+from braid.engine.batch import StepPlan
 from braid.engine.kv_cache import BlockAllocator
 from braid.engine.model_runner import StepResult
 from braid.engine.request import RequestOutput, SamplingParams, Sequence
@@ -18,6 +19,7 @@ from braid.engine.scheduler import Scheduler
 from braid.engine.tokenizer import apply_chat_template, load_tokenizer
 from braid.engine.worker import worker_main
 from braid.models.registry import model_class
+from braid.overlap.split import wants_overlap
 
 
 class LLM:
@@ -51,6 +53,10 @@ class LLM:
                                    self.config.max_running_requests, eos,
                                    self.model_config.max_position_embeddings)
         self._ids = count()
+        # Per-step policy, changeable between steps (benchmarks compare settings in one launch).
+        self.overlap = self.config.overlap
+        self.overlap_min_tokens = self.config.overlap_min_tokens
+        self.skip_comm = self.config.skip_comm
 
     def __enter__(self) -> LLM:
         return self
@@ -87,11 +93,15 @@ class LLM:
         self.scheduler.add(seq)
         return seq
 
+    def _run(self, plan: StepPlan) -> StepResult:
+        plan.overlap = wants_overlap(self.overlap, plan.num_tokens, self.overlap_min_tokens)
+        plan.skip_comm = self.skip_comm
+        return self.ranks.request(("step", plan))
+
     def step(self) -> list[Sequence]:
         """Run one scheduled forward step on every rank; return the sequences that finished."""
         plan, batch = self.scheduler.schedule()
-        result: StepResult = self.ranks.request(("step", plan))
-        return self.scheduler.commit(batch, result.next_tokens)
+        return self.scheduler.commit(batch, self._run(plan).next_tokens)
 
     def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -126,7 +136,7 @@ class LLM:
             seq.scheduled_tokens = seq.num_tokens
         try:
             plan = replace(self.scheduler.build_plan(seqs), sampling=None, return_logits="all")
-            result: StepResult = self.ranks.request(("step", plan))
+            result = self._run(plan)
         finally:
             for seq in seqs:
                 self.allocator.free(seq.blocks)

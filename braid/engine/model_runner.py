@@ -5,15 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from braid.config import EngineConfig, ModelConfig
-from braid.distributed.comm import Communicator
+from braid.distributed.comm import SwitchableCommunicator
 from braid.engine.batch import ForwardBatch, StepPlan
 from braid.engine.kv_cache import BlockAllocator
 from braid.engine.sampler import sample
 from braid.loader.weights import load_weights
 from braid.models.registry import model_class
+from braid.overlap.operations import execute, execute_overlapped
+from braid.overlap.split import split_step
 
 
 @dataclass
@@ -38,7 +41,8 @@ def checkpoint_weights(model_path: str, config: ModelConfig):
 class ModelRunner:
     """One rank's model shard and KV cache."""
 
-    def __init__(self, engine: EngineConfig, config: ModelConfig, comm: Communicator) -> None:
+    def __init__(self, engine: EngineConfig, config: ModelConfig,
+                 comm: SwitchableCommunicator) -> None:
         self.engine = engine
         self.config = config
         self.comm = comm
@@ -51,6 +55,7 @@ class ModelRunner:
         load_weights(self.model, checkpoint_weights(engine.model, config), cls.stacked_params,
                      self.model.ignored_weights())
         self.model.to(self.device).eval()
+        self.operations = self.model.operations()
         self._allocate_kv_cache()
 
     def _allocate_kv_cache(self) -> None:
@@ -64,12 +69,29 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult | None:
         """Run one forward step; rank 0 returns tokens (and logits if asked), others None."""
-        batch = ForwardBatch(plan, self.engine.block_size, self.device)
-        logits = self.model(batch)
+        self.comm.skip = plan.skip_comm
+        logits = self._forward(plan)
         if self.comm.rank != 0:
             return None
         tokens = None
         if plan.sampling is not None:
-            rows = logits if batch.sample_index is None else logits[batch.sample_index]
+            rows = logits
+            if plan.return_logits == "all":
+                rows = logits[torch.from_numpy(np.cumsum(plan.q_lens) - 1).to(logits.device)]
             tokens = sample(rows, plan.sampling, self.generator).tolist()
         return StepResult(tokens, logits.cpu() if plan.return_logits != "none" else None)
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        """Logits of the step: one batch straight, or two micro-batches overlapped."""
+        block_size = self.engine.block_size
+        parts = (split_step(plan, self.engine.tbo_token_distribution_threshold)
+                 if plan.overlap else None)
+        if parts is None:
+            return execute(self.operations, ForwardBatch(plan, block_size, self.device))["logits"]
+        out_a, out_b = execute_overlapped(self.operations,
+                                          ForwardBatch(parts.a, block_size, self.device),
+                                          ForwardBatch(parts.b, block_size, self.device))
+        logits_a = out_a["logits"]
+        if parts.a_ends_mid_sequence and plan.return_logits != "all":
+            logits_a = logits_a[:-1]  # A's half of a cut sequence: B has its last token
+        return torch.cat([logits_a, out_b["logits"]])

@@ -5,19 +5,20 @@ from __future__ import annotations
 from multiprocessing.connection import Connection
 
 from braid.config import EngineConfig, ModelConfig
-from braid.distributed.comm import Communicator, SkipCommunicator, TorchCommunicator
+from braid.distributed.comm import SwitchableCommunicator, TorchCommunicator
 from braid.distributed.shm import ShmCommunicator, ShmSegment
 from braid.engine.model_runner import ModelRunner
+from braid.overlap.trace import enable_tracing
 
 
 def make_communicator(engine: EngineConfig, rank: int, world_size: int,
-                      segment: ShmSegment | None) -> Communicator:
-    """The backend chosen by `--comm`, or the no-op one under `--skip-comm`."""
-    if engine.skip_comm:
-        return SkipCommunicator(rank, world_size)
+                      segment: ShmSegment | None) -> SwitchableCommunicator:
+    """The backend chosen by `--comm`, switchable to no-ops per step (`--skip-comm`)."""
     if segment is not None:
-        return ShmCommunicator(rank, segment, engine.comm_timeout_s)
-    return TorchCommunicator(rank, world_size)
+        real = ShmCommunicator(rank, segment, engine.comm_timeout_s)
+    else:
+        real = TorchCommunicator(rank, world_size)
+    return SwitchableCommunicator(real, engine.skip_comm)
 
 
 def worker_main(rank: int, world_size: int, conn: Connection, engine: EngineConfig,
@@ -25,6 +26,7 @@ def worker_main(rank: int, world_size: int, conn: Connection, engine: EngineConf
     """Rank entry point (run by `RankGroup`): every rank answers "ready"; rank 0 answers steps."""
     comm = make_communicator(engine, rank, world_size, segment)
     runner = ModelRunner(engine, config, comm)
+    trace = enable_tracing(rank) if engine.trace else None
     conn.send(("ok", "ready"))
     try:
         while True:
@@ -36,3 +38,5 @@ def worker_main(rank: int, world_size: int, conn: Connection, engine: EngineConf
                 conn.send(("ok", result))
     finally:
         comm.close()
+        if trace is not None:
+            trace.save(engine.trace)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from braid.config import ModelConfig
-from braid.distributed.comm import Communicator
+from braid.distributed.comm import Communicator, Handle
 from braid.engine.batch import ForwardBatch
 from braid.layers.attention import PagedAttention
 from braid.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -15,6 +15,7 @@ from braid.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, R
 from braid.layers.norm import RMSNorm
 from braid.layers.partition import partition_heads, split_range
 from braid.layers.rotary import RotaryEmbedding
+from braid.overlap.operations import YIELD, State
 
 
 class LlamaAttention(nn.Module):
@@ -31,11 +32,12 @@ class LlamaAttention(nn.Module):
                                           dtype=dtype)
         self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size, comm,
                                         in_range=(heads.q_start * d, heads.q_count * d),
-                                        dtype=dtype)
+                                        reduce=False, dtype=dtype)
         self.rotary = rotary
         self.attn = PagedAttention(heads.q_count, heads.kv_count, d)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """This rank's partial output; the caller all-reduces it."""
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -56,30 +58,45 @@ class LlamaMLP(nn.Module):
                                                        dtype=dtype)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, comm,
                                            in_range=split_range(inter, comm.world_size, comm.rank),
-                                           dtype=dtype)
+                                           reduce=False, dtype=dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output; the caller all-reduces it."""
         gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks with residuals (the add is fused into the next norm)."""
+    """Pre-norm attention and MLP blocks with residuals (the add is fused into the next norm).
+
+    As operations: `attention -> launch all-reduce | YIELD | wait, MLP -> launch all-reduce |
+    YIELD`; the wait of the second all-reduce opens the next layer. State keys: "partial" (the
+    handle of the all-reduce in flight) and "residual".
+    """
 
     def __init__(self, config: ModelConfig, comm: Communicator, rotary: RotaryEmbedding,
                  dtype: torch.dtype) -> None:
         super().__init__()
+        self.comm = comm
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(config, comm, rotary, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, comm, dtype)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    def operations(self) -> list:
+        return [self.attention_op, YIELD, self.mlp_op, YIELD]
+
+    def attention_op(self, state: State, batch: ForwardBatch) -> None:
+        hidden, residual = self.input_layernorm(state.take("partial").wait(),
+                                                state.take("residual"))
+        state.put("residual", residual)
+        state.put("partial", self.comm.all_reduce_async(self.self_attn(hidden, batch)))
+
+    def mlp_op(self, state: State, batch: ForwardBatch) -> None:
+        hidden, residual = self.post_attention_layernorm(state.take("partial").wait(),
+                                                         state.take("residual"))
+        state.put("residual", residual)
+        state.put("partial", self.comm.all_reduce_async(self.mlp(hidden)))
 
 
 class LlamaModel(nn.Module):
@@ -95,11 +112,9 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, comm, rotary, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, batch)
-        return self.norm(hidden, residual)[0]
+    def embed_op(self, state: State, batch: ForwardBatch) -> None:
+        state.put("partial", Handle(lambda: self.embed_tokens(batch.input_ids)))
+        state.put("residual", None)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -127,8 +142,15 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.model(batch)
+    def operations(self) -> list:
+        """The whole forward pass as one list of operations; the output is "logits"."""
+        ops = [self.model.embed_op]
+        for layer in self.model.layers:
+            ops += layer.operations()
+        return [*ops, self.logits_op]
+
+    def logits_op(self, state: State, batch: ForwardBatch) -> None:
+        hidden = self.model.norm(state.take("partial").wait(), state.take("residual"))[0]
         if batch.logits_index is not None:
             hidden = hidden[batch.logits_index]
-        return self.lm_head(hidden).float()
+        state.put("logits", self.lm_head(hidden).float())
