@@ -107,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hf: the same workload through Hugging Face transformers")
     bench.add_argument("--result-file", default=None, help="append one JSONL row here")
     bench.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    bench.add_argument("--measure-exposed", action="store_true",
+                       help="time overlap off and on, each with and without collectives: "
+                            "exposed communication and overlap efficiency")
+    bench.add_argument("--overlap-sweep", action="store_true",
+                       help="overlap off/on over --sweep-batch-sizes (prefill of --input-len "
+                            "tokens each, and decode); prints the --overlap-min-tokens to set")
+    bench.add_argument("--sweep-batch-sizes", default="1,4,16,64")
+    bench.add_argument("--repeat", type=int, default=2,
+                       help="timed runs per sweep point (the fastest counts)")
     bench.set_defaults(func=cmd_bench_one_batch)
 
     comm = sub.add_parser("bench-comm", help="collective latency and bandwidth per backend")

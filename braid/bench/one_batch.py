@@ -2,8 +2,9 @@
 
 A batch of `batch_size` random prompts of `input_len` tokens is prefilled in one step, then
 decoded greedily for `output_len - 1` steps. `--backend hf` runs the same workload through
-Hugging Face transformers (dense weights, its KV cache, logits of the last token only) in this
-process with the same total number of threads, so ratios can be taken side by side.
+Hugging Face transformers (dense weights, its KV cache, logits of the last token only) in a
+process set up like braid's ranks, so ratios can be taken side by side. The overlap modes
+(`--measure-exposed`, `--overlap-sweep`) live in `braid.bench.overlap`.
 """
 
 from __future__ import annotations
@@ -67,25 +68,33 @@ def time_steps(prefill: Callable[[], None], decode: Callable[[], None],
 
 
 class BraidWorkload:
-    """The batch through braid's engine: one prefill step, then one decode step at a time."""
+    """Batches through braid's engine: one prefill step, then one decode step at a time.
 
-    def __init__(self, args: argparse.Namespace, prompts: np.ndarray) -> None:
+    Sized for the largest batch it will run; overlap and skip-comm are per-step settings, so
+    one launch can time several configurations side by side.
+    """
+
+    def __init__(self, args: argparse.Namespace, max_batch: int, max_input: int,
+                 max_output: int) -> None:
+        from braid.cli import engine_kwargs
         from braid.engine.llm import LLM
 
-        bs, input_len = prompts.shape
-        needed = bs * (input_len + args.output_len + 16)
-        self.llm = LLM(args.model, tp=args.tp, dtype=args.dtype, comm=args.comm,
-                       comm_timeout_s=args.comm_timeout, skip_comm=args.skip_comm,
-                       max_total_tokens=max(args.max_total_tokens, needed),
-                       max_prefill_tokens=max(args.max_prefill_tokens, bs * input_len),
-                       max_running_requests=bs)
-        self.prompts = prompts
+        kwargs = engine_kwargs(args)
+        kwargs.update(
+            max_total_tokens=max(args.max_total_tokens, max_batch * (max_input + max_output + 16)),
+            max_prefill_tokens=max(args.max_prefill_tokens, max_batch * max_input),
+            max_running_requests=max_batch)
+        self.llm = LLM(**kwargs)
 
-    def run(self, output_len: int) -> BenchResult:
+    def run(self, prompts: np.ndarray, output_len: int, overlap: str | None = None,
+            skip_comm: bool | None = None) -> BenchResult:
         from braid.engine.request import SamplingParams
 
+        config = self.llm.config
+        self.llm.overlap = overlap or config.overlap
+        self.llm.skip_comm = config.skip_comm if skip_comm is None else skip_comm
         params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
-        for ids in self.prompts:
+        for ids in prompts:
             self.llm.add_request(ids.tolist(), params)
         result = time_steps(self.llm.step, self.llm.step, output_len)
         assert not self.llm.scheduler.has_work
@@ -96,27 +105,26 @@ class BraidWorkload:
 
 
 class HFWorkload:
-    """The batch through Hugging Face transformers' dense model and its own KV cache.
+    """Batches through Hugging Face transformers' dense model and its own KV cache.
 
     It runs in one rank process started like braid's (same core pinning, all cores' threads,
     same allocator settings), so the comparison differs only in the engine.
     """
 
-    def __init__(self, args: argparse.Namespace, prompts: np.ndarray) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         if args.tp != 1:
             raise UserError("--backend hf runs one process; use it with --tp 1")
-        self.group = RankGroup(1, hf_worker, (args.model, args.dtype, prompts))
+        self.group = RankGroup(1, hf_worker, (args.model, args.dtype))
         self.group.gather()
 
-    def run(self, output_len: int) -> BenchResult:
-        return self.group.request(("run", output_len))
+    def run(self, prompts: np.ndarray, output_len: int) -> BenchResult:
+        return self.group.request(("run", (prompts, output_len)))
 
     def close(self) -> None:
         self.group.close()
 
 
-def hf_worker(rank: int, world_size: int, conn, model: str, dtype: str,
-              prompts: np.ndarray) -> None:
+def hf_worker(rank: int, world_size: int, conn, model: str, dtype: str) -> None:
     """Rank entry point for `HFWorkload`: load the model, then time each requested run."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -127,13 +135,13 @@ def hf_worker(rank: int, world_size: int, conn, model: str, dtype: str,
     kwargs = {"gguf_file": path.name} if path.is_file() else {}
     folder = str(path.parent) if path.is_file() else str(path)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype], **kwargs).eval()
-    input_ids = torch.from_numpy(prompts)
     conn.send(("ok", "ready"))
     while True:
-        kind, output_len = conn.recv()
+        kind, request = conn.recv()
         if kind == "stop":
             return
-        conn.send(("ok", _time_hf(hf_model, input_ids, output_len)))
+        prompts, output_len = request
+        conn.send(("ok", _time_hf(hf_model, torch.from_numpy(prompts), output_len)))
 
 
 @torch.inference_mode()
@@ -162,8 +170,8 @@ def print_result(result: BenchResult, batch_size: int, input_len: int, output_le
     return row
 
 
-def run_bench_one_batch(args: argparse.Namespace) -> dict:
-    """Run the benchmark as the CLI flags say; print SGLang's lines; append a JSONL row."""
+def prepare(args: argparse.Namespace):
+    """Validate the flags, resolve `auto` values, and return the model config."""
     for flag in ("batch_size", "input_len", "output_len"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
@@ -175,23 +183,66 @@ def run_bench_one_batch(args: argparse.Namespace) -> dict:
     if args.input_len + args.output_len > config.max_position_embeddings:
         raise UserError(f"--input-len + --output-len exceeds the model's context of "
                         f"{config.max_position_embeddings} tokens")
+    return config
+
+
+def timed(workload, prompts: np.ndarray, output_len: int, warmup: int, **settings) -> BenchResult:
+    """Warm-up runs (short), then one timed run."""
+    for _ in range(warmup):
+        workload.run(prompts, min(output_len, 4), **settings)
+    return workload.run(prompts, output_len, **settings)
+
+
+def base_row(args: argparse.Namespace, **fields) -> dict:
+    """The JSONL fields that describe a run's configuration."""
+    row = {"backend": args.backend, "model": args.model, "tp": args.tp, "dtype": args.dtype,
+           "comm": args.comm, "overlap": args.overlap, "skip_comm": args.skip_comm,
+           "batch_size": args.batch_size, "input_len": args.input_len,
+           "output_len": args.output_len, "cores": len(usable_cores())}
+    row.update(fields)
+    return row
+
+
+def print_header(row: dict) -> None:
+    print(f"Benchmark: backend={row['backend']} tp={row['tp']} dtype={row['dtype']} "
+          f"comm={row['comm']} overlap={row['overlap']}{' skip_comm' if row['skip_comm'] else ''}"
+          f" batch_size={row['batch_size']} input_len={row['input_len']} "
+          f"output_len={row['output_len']} cores={row['cores']}")
+
+
+def append_rows(path: str | None, rows: list[dict]) -> None:
+    if path:
+        with open(path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+def run_bench_one_batch(args: argparse.Namespace) -> list[dict]:
+    """Run the benchmark as the CLI flags say; print SGLang's lines; append JSONL rows."""
+    config = prepare(args)
+    if args.backend == "hf" and (args.overlap_sweep or args.measure_exposed):
+        raise UserError("--overlap-sweep and --measure-exposed measure braid; drop --backend hf")
+    if args.overlap_sweep:
+        from braid.bench.overlap import run_overlap_sweep
+
+        return run_overlap_sweep(args, config)
     prompts = random_prompts(args.batch_size, args.input_len, config.vocab_size)
-    workload = (HFWorkload if args.backend == "hf" else BraidWorkload)(args, prompts)
+    if args.backend == "hf":
+        workload = HFWorkload(args)
+    else:
+        workload = BraidWorkload(args, args.batch_size, args.input_len, args.output_len)
     try:
-        for _ in range(args.warmup):
-            workload.run(min(args.output_len, 4))
-        result = workload.run(args.output_len)
+        if args.measure_exposed:
+            from braid.bench.overlap import measure_exposed
+
+            rows = measure_exposed(args, workload, prompts)
+        else:
+            result = timed(workload, prompts, args.output_len, args.warmup)
+            row = base_row(args)
+            print_header(row)
+            row.update(print_result(result, args.batch_size, args.input_len, args.output_len))
+            rows = [row]
     finally:
         workload.close()
-    print(f"Benchmark: backend={args.backend} tp={args.tp} dtype={args.dtype} "
-          f"comm={args.comm}{' skip_comm' if args.skip_comm else ''} "
-          f"batch_size={args.batch_size} input_len={args.input_len} "
-          f"output_len={args.output_len} cores={len(usable_cores())}")
-    row = {"backend": args.backend, "model": args.model, "tp": args.tp, "dtype": args.dtype,
-           "comm": args.comm, "skip_comm": args.skip_comm, "batch_size": args.batch_size,
-           "input_len": args.input_len, "output_len": args.output_len,
-           **print_result(result, args.batch_size, args.input_len, args.output_len)}
-    if args.result_file:
-        with open(args.result_file, "a") as f:
-            f.write(json.dumps(row) + "\n")
-    return row
+    append_rows(args.result_file, rows)
+    return rows

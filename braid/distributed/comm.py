@@ -102,33 +102,52 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 class TorchCommunicator(Communicator):
-    """Collectives through `torch.distributed` (gloo on CPU, NCCL on CUDA)."""
+    """Collectives through `torch.distributed` (gloo on CPU, NCCL on CUDA).
+
+    On CUDA an async collective runs on a dedicated communication stream: it starts once the
+    compute stream has produced its input (stream wait), and `wait()` makes the compute stream
+    wait for it, so the next micro-batch's kernels queue up while it is in flight.
+    """
 
     def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup | None = None) -> None:
         super().__init__(rank, world_size)
         self.group = group
+        self._comm_stream = None
+
+    def _launch(self, x: torch.Tensor, start: Callable[[], object],
+                result: Callable[[], torch.Tensor]) -> Handle:
+        if not x.is_cuda:
+            work = start()
+            return Handle(lambda: (work.wait(), result())[1])
+        compute = torch.cuda.current_stream(x.device)
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(x.device)
+        stream = self._comm_stream
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            work = start()
+        x.record_stream(stream)  # keep the input alive until the collective has read it
+
+        def finish() -> torch.Tensor:
+            with torch.cuda.stream(stream):
+                work.wait()
+            compute.wait_stream(stream)
+            return result()
+
+        return Handle(finish)
 
     def _start_all_reduce(self, x: torch.Tensor) -> Handle:
         x = x.contiguous()
-        work = dist.all_reduce(x, group=self.group, async_op=True)
-
-        def finish() -> torch.Tensor:
-            work.wait()
-            return x
-
-        return Handle(finish)
+        return self._launch(x, lambda: dist.all_reduce(x, group=self.group, async_op=True),
+                            lambda: x)
 
     def _start_all_gather(self, x: torch.Tensor, sizes: list[int]) -> Handle:
         rows = max(sizes)
         local = _pad_rows(x, rows)
         out = local.new_empty((rows * self.world_size, *x.shape[1:]))
-        work = _all_gather_single(out, local, group=self.group, async_op=True)
-
-        def finish() -> torch.Tensor:
-            work.wait()
-            return _unpad_gathered(out, sizes, rows)
-
-        return Handle(finish)
+        return self._launch(
+            local, lambda: _all_gather_single(out, local, group=self.group, async_op=True),
+            lambda: _unpad_gathered(out, sizes, rows))
 
     def close(self) -> None:
         if dist.is_initialized():
