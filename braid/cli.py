@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import warnings
 
@@ -131,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM exits through Python's shutdown, so ranks are stopped and shm segments removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     warnings.formatwarning = lambda msg, cat, *a, **k: f"warning: {msg}\n"
     from braid.distributed.launch import RankFailure, run_torchrun_worker, torchrun_rank
 

@@ -110,8 +110,9 @@ def test_no_split_is_ever_empty():
 
 
 def test_auto_policy_uses_the_token_threshold():
-    assert wants_overlap("on", 1, 1024) and not wants_overlap("off", 10**6, 1)
-    assert wants_overlap("auto", 1024, 1024) and not wants_overlap("auto", 1023, 1024)
+    assert wants_overlap("on", 1, 1024, 2) and not wants_overlap("off", 10**6, 1, 2)
+    assert wants_overlap("auto", 1024, 1024, 2) and not wants_overlap("auto", 1023, 1024, 2)
+    assert not wants_overlap("auto", 10**6, 1024, 1)  # one rank: nothing to hide
 
 
 # --- executor ---------------------------------------------------------------------------------

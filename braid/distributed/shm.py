@@ -83,6 +83,13 @@ class ShmSegment:
             pass
 
 
+def activation_slot_bytes(max_tokens: int, hidden_size: int, itemsize: int) -> int:
+    """A slot size that holds a whole step's activations (so an overlapped all-reduce is one
+    posted operation, not chunks posted later), within [4 MiB, 64 MiB]. The file is sparse:
+    memory is committed only as slots are used."""
+    return int(min(64 << 20, max(4 << 20, max_tokens * hidden_size * itemsize)))
+
+
 class ShmCommunicator(Communicator):
     """Split-phase all-reduce and all-gather through a `ShmSegment`."""
 

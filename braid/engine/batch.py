@@ -93,7 +93,6 @@ class ForwardBatch:
     """A StepPlan as tensors on this rank's device, passed explicitly to every layer."""
 
     def __init__(self, plan: StepPlan, block_size: int, device: torch.device) -> None:
-        self.plan = plan
         self.num_tokens = plan.num_tokens
         self.input_ids = torch.from_numpy(plan.input_ids).to(device)
         self.positions = torch.from_numpy(plan.positions).to(device)

@@ -10,7 +10,7 @@ import torch
 
 from braid.config import EngineConfig, UserError, default_model_path, load_model_config
 from braid.distributed.launch import launch_ranks
-from braid.distributed.shm import ShmSegment
+from braid.distributed.shm import ShmSegment, activation_slot_bytes
 from braid.engine.batch import StepPlan
 from braid.engine.kv_cache import BlockAllocator
 from braid.engine.model_runner import StepResult
@@ -36,9 +36,18 @@ class LLM:
                                    **engine_args)
         self.model_config = load_model_config(self.config.model)
         model_class(self.model_config)  # refuse an unsupported architecture before launching
-        segment = ShmSegment.create(tp) if self.config.comm == "shm" and tp > 1 else None
-        self.ranks = launch_ranks(tp, worker_main, (self.config, self.model_config, segment),
-                                  cleanup=segment.unlink if segment else None)
+        segment = None
+        if self.config.comm == "shm" and tp > 1:
+            segment = ShmSegment.create(tp, slot_bytes=activation_slot_bytes(
+                self.config.max_prefill_tokens, self.model_config.hidden_size,
+                self.config.torch_dtype.itemsize))
+        try:
+            self.ranks = launch_ranks(tp, worker_main, (self.config, self.model_config, segment),
+                                      cleanup=segment.unlink if segment else None)
+        except BaseException:
+            if segment is not None:
+                segment.unlink()
+            raise
         try:
             self.tokenizer = load_tokenizer(self.config.model)  # while the ranks load weights
             self.ranks.gather()  # every rank reports ready
@@ -94,7 +103,8 @@ class LLM:
         return seq
 
     def _run(self, plan: StepPlan) -> StepResult:
-        plan.overlap = wants_overlap(self.overlap, plan.num_tokens, self.overlap_min_tokens)
+        plan.overlap = wants_overlap(self.overlap, plan.num_tokens, self.overlap_min_tokens,
+                                     self.config.tp)
         plan.skip_comm = self.skip_comm
         return self.ranks.request(("step", plan))
 
