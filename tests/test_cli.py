@@ -134,3 +134,22 @@ def test_torchrun_launch_matches_spawned_ranks():
     assert spawned.returncode == 0 and launched.returncode == 0, launched.stderr
     assert launched.stdout.strip() == spawned.stdout.strip()
     assert "Paris" in json.loads(launched.stdout)["text"]
+
+
+def test_bench_overlap_modes_report_exposed_comm_and_crossover(tmp_path: Path):
+    result_file = tmp_path / "overlap.jsonl"
+    common = ["bench-one-batch", "--tp", "2", "--input-len", "16", "--output-len", "3",
+              "--warmup", "0", "--result-file", str(result_file)]
+    exposed = braid(*common, "--batch-size", "2", "--measure-exposed")
+    assert exposed.returncode == 0, exposed.stderr
+    assert "overlap efficiency" in exposed.stdout
+    off, on = [json.loads(line) for line in result_file.read_text().splitlines()]
+    assert (off["overlap"], on["overlap"]) == ("off", "on")
+    assert {"exposed_comm_prefill", "exposed_comm_decode"} <= set(off)
+    assert "overlap_efficiency_prefill" in on
+    result_file.unlink()
+    sweep = braid(*common, "--overlap-sweep", "--sweep-batch-sizes", "1,2", "--repeat", "1")
+    assert sweep.returncode == 0, sweep.stderr
+    assert "set --overlap-min-tokens" in sweep.stdout
+    rows = [json.loads(line) for line in result_file.read_text().splitlines()]
+    assert len(rows) == 4 and all("auto_over_best" in r for r in rows)

@@ -126,7 +126,7 @@ def run_overlap_sweep(args: argparse.Namespace, config) -> list[dict]:
         print(f"{p['kind']:>8} {p['batch_size']:6d} {p['tokens']:7d} | {p['off']:9.4f} "
               f"{p['on']:9.4f} {p['off'] / p['on']:6.3f}x | {p['auto']:9.4f} "
               f"{p['auto'] / best:8.3f}x")
-        rows.append(base_row(args, **p, batch_size=p["batch_size"], overlap_min_tokens=threshold,
+        rows.append(base_row(args, **p, overlap_min_tokens=threshold,
                              auto_over_best=p["auto"] / best))
     print(f"\ncrossover: overlap pays from {threshold} tokens per step here; "
           f"set --overlap-min-tokens {threshold} (with --overlap auto)")
