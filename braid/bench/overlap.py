@@ -2,9 +2,9 @@
 
 - `--measure-exposed`: overlap off and on, each with and without collectives
   (`exposed = T - T_skip_comm`), and the overlap efficiency `1 - exposed_on / exposed_off`.
-- `--overlap-sweep`: overlap off and on over batch sizes, for prefill and decode; prints the
-  token count from which overlap pays (the `--overlap-min-tokens` to set) and checks `auto`
-  with that threshold against the better of the two at every point.
+- `--overlap-sweep`: overlap off, on and auto over batch sizes, for prefill and decode; checks
+  `auto` (with `--overlap-min-tokens`) against the better of off and on at every point, and
+  prints the token count from which overlap pays (the `--overlap-min-tokens` to set).
 """
 
 from __future__ import annotations
@@ -86,48 +86,47 @@ def _crossover(points: list[dict]) -> int:
 
 
 def run_overlap_sweep(args: argparse.Namespace, config) -> list[dict]:
-    """Overlap off/on/auto over batch sizes for prefill and decode, on one launch."""
+    """Overlap off/on/auto over batch sizes for prefill and decode, on one launch.
+
+    At each point the three modes run back to back (auto with the configured
+    `--overlap-min-tokens`), so the comparison is not skewed by the host drifting between
+    passes; the crossover found over all points is printed as the threshold to set.
+    """
     sizes = [int(b) for b in args.sweep_batch_sizes.split(",")]
     workload = BraidWorkload(args, max(sizes), args.input_len, args.output_len)
-    llm = workload.llm
     points = []
     try:
         for bs in sizes:
             prompts = random_prompts(bs, args.input_len, config.vocab_size)
             timed(workload, prompts, min(args.output_len, 4), 1)  # warm this shape up
-            lat = {mode: min((_latencies(workload.run(prompts, args.output_len, overlap=mode))
-                              for _ in range(args.repeat)), key=lambda t: t[0] + t[1])
-                   for mode in ("off", "on")}
-            points.append({"kind": "prefill", "batch_size": bs, "tokens": bs * args.input_len,
-                           "off": lat["off"][0], "on": lat["on"][0]})
-            points.append({"kind": "decode", "batch_size": bs, "tokens": bs,
-                           "off": lat["off"][1], "on": lat["on"][1]})
-            print(f"batch {bs:4d}: prefill off {lat['off'][0]:.4f} s on {lat['on'][0]:.4f} s; "
-                  f"decode off {lat['off'][1] * 1e3:.2f} ms on {lat['on'][1] * 1e3:.2f} ms",
-                  flush=True)
-        threshold = _crossover(points)
-        llm.overlap_min_tokens = threshold
-        for bs in sizes:
-            prompts = random_prompts(bs, args.input_len, config.vocab_size)
-            auto = min((_latencies(workload.run(prompts, args.output_len, overlap="auto"))
-                        for _ in range(args.repeat)), key=lambda t: t[0] + t[1])
-            for point in points:
-                if point["batch_size"] == bs:
-                    point["auto"] = auto[0] if point["kind"] == "prefill" else auto[1]
+            best: dict[str, tuple[float, float]] = {}
+            for _ in range(args.repeat):
+                for mode in ("off", "on", "auto"):
+                    lat = _latencies(workload.run(prompts, args.output_len, overlap=mode))
+                    old = best.get(mode, (float("inf"), float("inf")))
+                    best[mode] = (min(old[0], lat[0]), min(old[1], lat[1]))
+            for kind, i, tokens in (("prefill", 0, bs * args.input_len), ("decode", 1, bs)):
+                points.append({"kind": kind, "batch_size": bs, "tokens": tokens,
+                               **{mode: best[mode][i] for mode in ("off", "on", "auto")}})
+            print(f"batch {bs:4d}: " + "; ".join(
+                f"{p['kind']} off {p['off']:.4f} s on {p['on']:.4f} s auto {p['auto']:.4f} s"
+                for p in points[-2:]), flush=True)
     finally:
         workload.close()
+    threshold = _crossover(points)
     print(f"\nOverlap sweep: tp={args.tp} comm={args.comm} dtype={args.dtype} "
-          f"input_len={args.input_len} (latency of the prefill step / median decode step)")
+          f"input_len={args.input_len} overlap_min_tokens={args.overlap_min_tokens} "
+          f"(prefill step / median decode step, fastest of {args.repeat})")
     print(f"{'kind':>8} {'batch':>6} {'tokens':>7} | {'off s':>9} {'on s':>9} {'on/off':>7} | "
           f"{'auto s':>9} {'auto/best':>9}")
     rows = []
     for p in points:
-        best = min(p["on"], p["off"])
+        best_time = min(p["on"], p["off"])
         print(f"{p['kind']:>8} {p['batch_size']:6d} {p['tokens']:7d} | {p['off']:9.4f} "
               f"{p['on']:9.4f} {p['off'] / p['on']:6.3f}x | {p['auto']:9.4f} "
-              f"{p['auto'] / best:8.3f}x")
-        rows.append(base_row(args, **p, overlap_min_tokens=threshold,
-                             auto_over_best=p["auto"] / best))
+              f"{p['auto'] / best_time:8.3f}x")
+        rows.append(base_row(args, **p, overlap_min_tokens=args.overlap_min_tokens,
+                             crossover_tokens=threshold, auto_over_best=p["auto"] / best_time))
     print(f"\ncrossover: overlap pays from {threshold} tokens per step here; "
           f"set --overlap-min-tokens {threshold} (with --overlap auto)")
     append_rows(args.result_file, rows)
