@@ -45,6 +45,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    """`LLM` keyword arguments from the engine flags."""
     return dict(model=args.model, tp=args.tp, dtype=args.dtype, comm=args.comm,
                 comm_timeout_s=args.comm_timeout, skip_comm=args.skip_comm,
                 max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
@@ -82,6 +83,7 @@ def cmd_bench_comm(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `braid` argument parser with all its subcommands."""
     parser = argparse.ArgumentParser(prog="braid", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -131,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point: exit 0 on success, 2 for a user error, 1 when a rank failed."""
     args = build_parser().parse_args(argv)
     # SIGTERM exits through Python's shutdown, so ranks are stopped and shm segments removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

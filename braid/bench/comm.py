@@ -86,6 +86,7 @@ def _size_label(nbytes: int) -> str:
 
 
 def print_table(rows: list[dict], backends: list[str]) -> None:
+    """One table per collective: a line per size, the backends side by side."""
     for op in OPS:
         print(f"\n{op}  dtype={rows[0]['dtype']}  tp={rows[0]['tp']}  "
               f"cores={len(usable_cores())}")

@@ -34,6 +34,8 @@ from braid.distributed.launch import RankGroup
 
 @dataclass
 class BenchResult:
+    """Timings of one run: the prefill step and each decode step, in seconds."""
+
     prefill_latency: float
     decode_latencies: list[float]
 
@@ -51,11 +53,13 @@ class BenchResult:
 
 
 def random_prompts(batch_size: int, input_len: int, vocab_size: int, seed: int = 0) -> np.ndarray:
+    """[batch_size, input_len] random token ids (the same for every backend at a given seed)."""
     return np.random.default_rng(seed).integers(0, vocab_size, (batch_size, input_len))
 
 
 def time_steps(prefill: Callable[[], None], decode: Callable[[], None],
                output_len: int) -> BenchResult:
+    """Time one prefill call and `output_len - 1` decode calls."""
     start = time.perf_counter()
     prefill()
     prefill_latency = time.perf_counter() - start
@@ -157,6 +161,7 @@ def _time_hf(hf_model, input_ids: torch.Tensor, output_len: int) -> BenchResult:
 
 
 def print_result(result: BenchResult, batch_size: int, input_len: int, output_len: int) -> dict:
+    """Print SGLang's bench_one_batch lines for a run; return its JSONL fields."""
     row = result.row(batch_size, input_len, output_len)
     print(f"Prefill. latency: {row['prefill_latency']:6.5f} s, "
           f"throughput: {row['prefill_throughput']:9.2f} token/s")
@@ -204,6 +209,7 @@ def base_row(args: argparse.Namespace, **fields) -> dict:
 
 
 def print_header(row: dict) -> None:
+    """One line naming the configuration of the run printed below it."""
     print(f"Benchmark: backend={row['backend']} tp={row['tp']} dtype={row['dtype']} "
           f"comm={row['comm']} overlap={row['overlap']}{' skip_comm' if row['skip_comm'] else ''}"
           f" batch_size={row['batch_size']} input_len={row['input_len']} "
@@ -211,6 +217,7 @@ def print_header(row: dict) -> None:
 
 
 def append_rows(path: str | None, rows: list[dict]) -> None:
+    """Append JSONL rows to `path` (nothing when no --result-file was given)."""
     if path:
         with open(path, "a") as f:
             for row in rows:

@@ -93,6 +93,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def build_plan(self, batch: list[Sequence]) -> StepPlan:
+        """The step plan for `batch`, each sequence computing its `scheduled_tokens`."""
         block_size = self.allocator.block_size
         q_lens = np.array([s.scheduled_tokens for s in batch], dtype=np.int64)
         kv_lens = np.array([s.num_computed + s.scheduled_tokens for s in batch], dtype=np.int64)

@@ -57,6 +57,7 @@ def tracer() -> Tracer:
 
 
 def enable_tracing(rank: int) -> Tracer:
+    """Start recording this rank's stages and collectives (`--trace`)."""
     global _TRACER
     _TRACER = Tracer(True, rank)
     return _TRACER
