@@ -43,9 +43,13 @@ class Sequence:
     scheduled_tokens: int = 0  # tokens the current step computes
     finish_reason: str | None = None
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without copying the whole sequence (the
+        scheduler asks for the newest token of every sequence at every decode step)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:end] + self.output_ids[:max(0, end - n)]
 
     @property
     def num_tokens(self) -> int:

@@ -71,11 +71,13 @@ class Scheduler:
 
     def _take_decode(self) -> list[Sequence]:
         batch = []
+        preempted: set[int] = set()  # rids preempted below to make room for earlier sequences
         for seq in list(self.running):
-            if seq not in self.running:  # preempted below to make room for an earlier one
+            if seq.rid in preempted:
                 continue
             need = self.allocator.blocks_needed(seq.num_tokens, len(seq.blocks))
             while need > self.allocator.num_free and self.running[-1] is not seq:
+                preempted.add(self.running[-1].rid)
                 self._preempt(self.running[-1])
             if need > self.allocator.num_free:
                 self._preempt(seq)
@@ -100,7 +102,7 @@ class Scheduler:
         positions = np.concatenate([np.arange(s.num_computed, end)
                                     for s, end in zip(batch, kv_lens)])
         input_ids = np.array([t for s, end in zip(batch, kv_lens)
-                              for t in s.tokens[s.num_computed:end]], dtype=np.int64)
+                              for t in s.token_slice(s.num_computed, end)], dtype=np.int64)
         tables = np.zeros((len(batch), max(len(s.blocks) for s in batch)), dtype=np.int64)
         for row, s in enumerate(batch):
             tables[row, :len(s.blocks)] = s.blocks
