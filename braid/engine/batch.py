@@ -37,6 +37,7 @@ class StepPlan:
     return_logits: str = "none"  # "none" | "last" (one row per sequence) | "all" (every token)
     overlap: bool = False  # run as two overlapped micro-batches (the driver decides)
     skip_comm: bool = False  # collectives as no-ops for this step (timing only)
+    dp_linear: bool = False  # replicated projections split over tokens (DataParallelLinear)
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +99,7 @@ class ForwardBatch:
         self.positions = torch.from_numpy(plan.positions).to(device)
         self.slot_mapping = torch.from_numpy(plan.slot_mapping).to(device)
         self.attn = build_attention_metadata(plan, block_size, device)
+        self.dp_linear = plan.dp_linear
         # Logits of each sequence's last token, unless logits of every token are asked.
         self.logits_index = (None if plan.return_logits == "all"
                              else torch.from_numpy(np.cumsum(plan.q_lens) - 1).to(device))

@@ -18,6 +18,7 @@ from braid.engine.request import RequestOutput, SamplingParams, Sequence
 from braid.engine.scheduler import Scheduler
 from braid.engine.tokenizer import apply_chat_template, load_tokenizer
 from braid.engine.worker import worker_main
+from braid.layers.linear import wants_dp_linear
 from braid.models.registry import model_class
 from braid.overlap.split import wants_overlap
 
@@ -39,7 +40,7 @@ class LLM:
         segment = None
         if self.config.comm == "shm" and tp > 1:
             segment = ShmSegment.create(tp, slot_bytes=activation_slot_bytes(
-                self.config.max_prefill_tokens, self.model_config.hidden_size,
+                self.config.max_prefill_tokens, self.model_config.widest_activation,
                 self.config.torch_dtype.itemsize))
         try:
             self.ranks = launch_ranks(tp, worker_main, (self.config, self.model_config, segment),
@@ -66,6 +67,8 @@ class LLM:
         self.overlap = self.config.overlap
         self.overlap_min_tokens = self.config.overlap_min_tokens
         self.skip_comm = self.config.skip_comm
+        self.dp_linear = self.config.dp_linear
+        self.dp_linear_min_tokens = self.config.dp_linear_min_tokens
 
     def __enter__(self) -> LLM:
         return self
@@ -106,6 +109,8 @@ class LLM:
         plan.overlap = wants_overlap(self.overlap, plan.num_tokens, self.overlap_min_tokens,
                                      self.config.tp)
         plan.skip_comm = self.skip_comm
+        plan.dp_linear = wants_dp_linear(self.dp_linear, plan.num_tokens,
+                                         self.dp_linear_min_tokens, self.config.tp)
         return self.ranks.request(("step", plan))
 
     def step(self) -> list[Sequence]:

@@ -38,6 +38,15 @@ def checkpoint_weights(model_path: str, config: ModelConfig):
     return iterate_safetensors(model_path)
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """`cuda` means one GPU per rank (cuda:rank, modulo the GPUs visible); else as given."""
+    if device == "cuda":
+        index = rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device(device)
+
+
 class ModelRunner:
     """One rank's model shard and KV cache."""
 
@@ -46,25 +55,22 @@ class ModelRunner:
         self.engine = engine
         self.config = config
         self.comm = comm
-        self.device = torch.device(engine.device)
+        self.device = rank_device(engine.device, comm.rank)
         torch.manual_seed(engine.seed)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(engine.seed)
         cls = model_class(config)
         self.model = cls(config, comm, engine.torch_dtype)
-        load_weights(self.model, checkpoint_weights(engine.model, config), cls.stacked_params,
-                     self.model.ignored_weights())
+        load_weights(self.model, checkpoint_weights(engine.model, config))
         self.model.to(self.device).eval()
         self.operations = self.model.operations()
         self._allocate_kv_cache()
 
     def _allocate_kv_cache(self) -> None:
-        # Zeroed: masked-out keys must still be finite (0 * NaN would poison the output).
         num_blocks = BlockAllocator(self.engine.max_total_tokens, self.engine.block_size).num_blocks
         for attn in self.model.attention_layers():
-            shape = (num_blocks, self.engine.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=self.engine.torch_dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.engine.torch_dtype, device=self.device)
+            attn.allocate_cache(num_blocks, self.engine.block_size, self.engine.torch_dtype,
+                                self.device)
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult | None:

@@ -25,6 +25,13 @@ class PagedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
+    def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> None:
+        """Zeroed: masked-out keys must still be finite (0 * NaN would poison the output)."""
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
@@ -41,8 +48,8 @@ class PagedAttention(nn.Module):
                 is_causal=True, enable_gqa=gqa)
             return out.transpose(1, 2).reshape(batch.num_tokens, -1)
         q_padded = q if meta.q_gather is None else q[meta.q_gather]
-        keys = _gather_blocks(self.k_cache, meta.block_tables)  # [B, kv_heads, keys, D]
-        values = _gather_blocks(self.v_cache, meta.block_tables)
+        keys = gather_blocks(self.k_cache, meta.block_tables).transpose(1, 2)  # [B, kv, keys, D]
+        values = gather_blocks(self.v_cache, meta.block_tables).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q_padded.view(b, max_q, -1, self.head_dim).transpose(1, 2), keys, values,
             attn_mask=meta.mask, enable_gqa=gqa)
@@ -50,9 +57,10 @@ class PagedAttention(nn.Module):
         return out if meta.q_scatter is None else out[meta.q_scatter]
 
 
-def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[B, blocks] block ids -> [B, kv_heads, blocks * block_size, D], one row copy per block
-    (index_select on a 2-D view copies whole rows, several times faster than fancy indexing)."""
-    num_blocks, block_size, kv_heads, head_dim = cache.shape
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[B, blocks] block ids -> [B, blocks * block_size, ...] (the cache's per-token shape), one
+    row copy per block (index_select on a 2-D view copies whole rows, several times faster than
+    fancy indexing)."""
+    num_blocks, block_size, *token_shape = cache.shape
     rows = cache.view(num_blocks, -1).index_select(0, block_tables.flatten())
-    return rows.view(block_tables.shape[0], -1, kv_heads, head_dim).transpose(1, 2)
+    return rows.view(block_tables.shape[0], -1, *token_shape)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from braid.distributed.comm import Communicator
+from braid.distributed.comm import Communicator, Handle
 from braid.layers.partition import HeadShard, split_range
 from braid.loader.weights import LazyWeight
 
@@ -46,6 +46,56 @@ class ReplicatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+def wants_dp_linear(mode: str, num_tokens: int, min_tokens: int, tp: int) -> bool:
+    """`--dp-linear`: on, off, or auto: with several ranks, from `min_tokens` tokens per step,
+    where the GEMM work saved outweighs the all-gather (small decode steps stay replicated)."""
+    return mode == "on" or (mode == "auto" and tp > 1 and num_tokens >= min_tokens)
+
+
+class DataParallelLinear(nn.Module):
+    """A replicated projection whose work can be split over tokens instead of repeated.
+
+    Every rank holds the full weight, fused from several checkpoint tensors (`out_features`
+    lists them, in order; `shard_ids` names them for the loader). `forward` is the replicated
+    GEMM over all tokens. `forward_async` pads the tokens to a multiple of the world size (at
+    least one per rank), multiplies only this rank's contiguous slice and all-gathers the
+    slices: each rank does 1/tp of the GEMM, and the handle's result drops the padding. Both
+    give the same rows (each row's product does not depend on the other rows).
+    """
+
+    def __init__(self, in_features: int, out_features: Sequence[int], comm: Communicator, *,
+                 shard_ids: Sequence[object], dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.comm = comm
+        self.out_sizes = list(out_features)
+        self.shard_ids = list(shard_ids)
+        self.weight = _param(sum(self.out_sizes), in_features, dtype=dtype)
+        self.weight.weight_loader = self.load_part
+        self.weight.shard_ids = self.shard_ids
+
+    def load_part(self, param: nn.Parameter, weight: LazyWeight, shard_id: object = None) -> None:
+        index = self.shard_ids.index(shard_id)
+        offset = sum(self.out_sizes[:index])
+        _copy_checked(param.data.narrow(0, offset, self.out_sizes[index]), weight.load(),
+                      f"fused replicated part {shard_id}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def forward_async(self, x: torch.Tensor) -> Handle:
+        """Start the token-split product; `wait()` returns all rows, as `forward(x)` would."""
+        world, tokens = self.comm.world_size, x.shape[0]
+        if world == 1:
+            return Handle(lambda: self.forward(x))
+        rows = max(1, -(-tokens // world))
+        start = min(self.comm.rank * rows, tokens)
+        local = x[start:start + rows]
+        if local.shape[0] < rows:  # the tail ranks compute zero rows that are dropped again
+            local = torch.cat([local, local.new_zeros(rows - local.shape[0], x.shape[1])])
+        gathered = self.comm.all_gather_async(F.linear(local, self.weight))
+        return Handle(lambda: gathered.wait()[:tokens], "dp_linear")
 
 
 class ColumnParallelLinear(nn.Module):

@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox layout: rotate halves), default, linear and llama3 scaling."""
+"""Rotary position embedding: default, linear, llama3 and YaRN frequencies; the neox layout
+(rotate halves) or DeepSeek's interleaved pairs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from braid.config import UserError
+from braid.config import UserError, rope_kind
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -24,34 +25,77 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention magnitude correction for a context stretched by `factor`."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float,
+                   scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): high frequencies kept, low ones divided by `factor`, a linear
+    ramp between the `beta_fast`/`beta_slow` rotation counts; returns (inv_freq, cos/sin scale)."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
-    """Applies rotary embedding to query and key heads at given positions."""
+    """Applies rotary embedding to query and key heads at given positions.
+
+    `interleaved`: the rotated pairs are (x0, x1), (x2, x3), ... (DeepSeek) instead of
+    (x_i, x_{i + d/2}). The output is then laid out as [evens rotated, odds rotated]: a fixed
+    permutation of both q and k, which leaves every q.k product unchanged.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, base: float,
-                 scaling: dict | None = None) -> None:
+                 scaling: dict | None = None, interleaved: bool = False) -> None:
         super().__init__()
+        self.interleaved = interleaved
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        kind = rope_kind(scaling)
+        magnitude = 1.0
         if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif kind == "linear":
             inv_freq = inv_freq / scaling["factor"]
+        elif kind == "yarn":
+            inv_freq, magnitude = _yarn_inv_freq(inv_freq, head_dim, base, scaling)
         elif kind != "default":
             raise UserError(f"rope scaling {kind!r} is not supported for this model")
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self.register_buffer("cos", (freqs.cos() * magnitude).float(), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * magnitude).float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if self.interleaved else xf.chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)

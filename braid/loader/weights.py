@@ -48,21 +48,25 @@ def _rename(name: str, stacked: StackedMapping) -> tuple[str, object]:
     return name, None
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, LazyWeight]],
-                 stacked: StackedMapping = (), ignored: Iterable[str] = ()) -> None:
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, LazyWeight]]) -> None:
     """Copy checkpoint tensors into `model`'s parameters through their `weight_loader`s.
 
-    `ignored` lists checkpoint names that are allowed and skipped (a tied `lm_head.weight`,
-    rotary buffers). Raises `ValueError` naming every missing and every unexpected weight.
+    The model says how names map: `stacked_params` (checkpoint tensors fused into one
+    parameter), `is_ignored_weight(name)` (present but unused: a tied `lm_head.weight`, extra
+    layers), and optionally `checkpoint_param(name)` returning (parameter name, shard id) or
+    None for the stacked rule. A parameter fed by several shards lists them in `shard_ids`
+    unless the stacked rule implies them. Raises `ValueError` naming every missing and every
+    unexpected weight.
     """
     params = dict(model.named_parameters())
-    ignored = set(ignored)
+    stacked: StackedMapping = model.stacked_params
+    custom = getattr(model, "checkpoint_param", lambda name: None)
     loaded: set[tuple[str, object]] = set()
     unexpected = []
     for ckpt_name, weight in weights:
-        if ckpt_name in ignored or ckpt_name.endswith("rotary_emb.inv_freq"):
+        if ckpt_name.endswith("rotary_emb.inv_freq") or model.is_ignored_weight(ckpt_name):
             continue
-        name, shard_id = _rename(ckpt_name, stacked)
+        name, shard_id = custom(ckpt_name) or _rename(ckpt_name, stacked)
         param = params.get(name)
         if param is None:
             unexpected.append(ckpt_name)
@@ -70,9 +74,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, LazyWeight]],
         param.weight_loader(param, weight, shard_id)
         loaded.add((name, shard_id))
     expected = set()
-    for name in params:
-        shard_ids = [s for p, _, s in stacked if p in name.split(".")]
-        expected.update((name, s) for s in (shard_ids or [None]))
+    for name, param in params.items():
+        shard_ids = (getattr(param, "shard_ids", None)
+                     or [s for p, _, s in stacked if p in name.split(".")] or [None])
+        expected.update((name, s) for s in shard_ids)
     missing = sorted(f"{n}" + (f" [{s}]" if s is not None else "") for n, s in expected - loaded)
     problems = []
     if missing:

@@ -5,9 +5,12 @@ from __future__ import annotations
 from torch import nn
 
 from braid.config import ModelConfig, UserError
+from braid.models.deepseek_v2 import DeepseekV2ForCausalLM
 from braid.models.llama import LlamaForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
 }

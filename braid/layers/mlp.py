@@ -1,0 +1,29 @@
+"""The SwiGLU MLP, tensor parallel: merged gate/up columns, down rows."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from braid.distributed.comm import Communicator
+from braid.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from braid.layers.partition import split_range
+
+
+class GatedMLP(nn.Module):
+    """`down(silu(gate(x)) * up(x))`; returns this rank's partial sum (the caller all-reduces)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, comm: Communicator,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], comm, dtype=dtype)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, comm,
+            in_range=split_range(intermediate_size, comm.world_size, comm.rank), reduce=False,
+            dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,101 @@
+"""What every decoder-only model shares: embedding, final norm, LM head, and the operations
+that open and close the forward pass.
+
+State between operations (see `braid.overlap.operations`): "partial" is the handle of the
+all-reduce in flight (the embedding's, then each block's), "residual" the running residual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from braid.config import ModelConfig
+from braid.distributed.comm import Communicator, Handle
+from braid.engine.batch import ForwardBatch
+from braid.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from braid.layers.norm import RMSNorm
+from braid.overlap.operations import State
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers (built by `make_layer(index)`) and the final norm."""
+
+    def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype,
+                 make_layer: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm,
+                                                   dtype)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def embed_op(self, state: State, batch: ForwardBatch) -> None:
+        state.put("partial", Handle(lambda: self.embed_tokens(batch.input_ids)))
+        state.put("residual", None)
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm block pair: `self_attn` and `mlp`, each behind an RMSNorm fused with the
+    residual add. Both return this rank's partial output; the layer all-reduces it.
+    Subclasses provide `operations()` with their attention operations; the MLP's is shared."""
+
+    def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype,
+                 self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.comm = comm
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = mlp
+
+    def operations(self) -> list:
+        raise NotImplementedError
+
+    def attention_input(self, state: State) -> torch.Tensor:
+        """Wait for the previous block's sum, add the residual, normalise."""
+        hidden, residual = self.input_layernorm(state.take("partial").wait(),
+                                                state.take("residual"))
+        state.put("residual", residual)
+        return hidden
+
+    def mlp_op(self, state: State, batch: ForwardBatch) -> None:
+        hidden, residual = self.post_attention_layernorm(state.take("partial").wait(),
+                                                         state.take("residual"))
+        state.put("residual", residual)
+        state.put("partial", self.comm.all_reduce_async(self.mlp(hidden)))
+
+
+class CausalLM(nn.Module):
+    """A `DecoderModel` under a vocabulary-parallel LM head; the forward pass is one operation
+    list whose output is "logits" (of the requested tokens). Subclasses build `self.model`
+    with layers that expose `operations()` and `self_attn.attn` (their cache owner)."""
+
+    stacked_params: tuple = ()
+
+    def __init__(self, config: ModelConfig, model: DecoderModel) -> None:
+        super().__init__()
+        self.config = config
+        self.model = model
+        self.lm_head = ParallelLMHead(model.embed_tokens, config.tie_word_embeddings)
+
+    def is_ignored_weight(self, name: str) -> bool:
+        """A checkpoint tensor present but unused: a tied head stored anyway."""
+        return self.config.tie_word_embeddings and name == "lm_head.weight"
+
+    def attention_layers(self) -> list[nn.Module]:
+        """The modules that own a KV cache (`allocate_cache`), one per layer."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def operations(self) -> list:
+        ops = [self.model.embed_op]
+        for layer in self.model.layers:
+            ops += layer.operations()
+        return [*ops, self.logits_op]
+
+    def logits_op(self, state: State, batch: ForwardBatch) -> None:
+        hidden = self.model.norm(state.take("partial").wait(), state.take("residual"))[0]
+        if batch.logits_index is not None:
+            hidden = hidden[batch.logits_index]
+        state.put("logits", self.lm_head(hidden).float())

@@ -1,0 +1,222 @@
+"""DeepSeek-V2 and V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`), tensor parallel.
+
+- Multi-head latent attention (braid.layers.mla): heads split over ranks, the latent KV
+  cache replicated. The two projections every rank needs in full, `q_a_proj` (when the
+  config has `q_lora_rank`) and `kv_a_proj_with_mqa`, are one fused `DataParallelLinear`: a
+  replicated GEMM, or with `--dp-linear` one over 1/tp of the tokens plus an all-gather.
+- MoE layers (braid.layers.moe) after the first `first_k_dense_replace` dense ones: routed
+  experts split along their intermediate dimension, shared experts like a dense MLP, one
+  all-reduce for both.
+
+Operations per layer: `norm, fused A projection (launch its all-gather) | YIELD | attention,
+launch all-reduce | YIELD | MLP or MoE, launch all-reduce | YIELD`, so two-batch overlap hides
+the DP linear's all-gather as well as the all-reduces.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from braid.config import ModelConfig, UserError, rope_kind
+from braid.distributed.comm import Communicator, Handle
+from braid.engine.batch import ForwardBatch
+from braid.layers.linear import ColumnParallelLinear, DataParallelLinear, RowParallelLinear
+from braid.layers.mla import LatentAttention
+from braid.layers.mlp import GatedMLP
+from braid.layers.moe import RoutedExperts, RouterConfig, TopKRouter
+from braid.layers.norm import RMSNorm
+from braid.layers.partition import split_range
+from braid.layers.rotary import RotaryEmbedding, yarn_mscale
+from braid.models.common import CausalLM, DecoderLayer, DecoderModel
+from braid.overlap.operations import YIELD, State
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: the reference code's default
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """The attention dimensions of a DeepSeek config."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @staticmethod
+    def from_hf(cfg: dict) -> MLAConfig:
+        return MLAConfig(cfg.get("q_lora_rank"), cfg["kv_lora_rank"], cfg["qk_nope_head_dim"],
+                         cfg["qk_rope_head_dim"], cfg["v_head_dim"])
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached token: normalised KV latent and rotated shared key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def softmax_scale(mla: MLAConfig, rope_scaling: dict | None) -> float:
+    """1/sqrt(qk head dim), times YaRN's mscale(factor, mscale_all_dim)^2 when it applies."""
+    scale = mla.qk_head_dim ** -0.5
+    if rope_kind(rope_scaling) != "default" and rope_scaling.get("mscale_all_dim"):
+        scale *= yarn_mscale(rope_scaling["factor"], rope_scaling["mscale_all_dim"]) ** 2
+    return scale
+
+
+class DeepseekV2Attention(nn.Module):
+    """MLA with this rank's heads: `project_latent` (replicated or DP), then `forward`."""
+
+    def __init__(self, config: ModelConfig, comm: Communicator, rotary: RotaryEmbedding,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        mla = self.mla = MLAConfig.from_hf(config.extra)
+        if config.extra.get("attention_bias"):
+            raise UserError("DeepSeek checkpoints with attention_bias are not supported")
+        heads = config.num_heads
+        start, self.num_heads = split_range(heads, comm.world_size, comm.rank)
+        qk, nope_v = mla.qk_head_dim, mla.qk_nope_head_dim + mla.v_head_dim
+        hidden = config.hidden_size
+        if mla.q_lora_rank:
+            self.fused_qkv_a_proj = DataParallelLinear(
+                hidden, [mla.q_lora_rank, mla.latent_dim], comm, shard_ids=["q_a", "kv_a"],
+                dtype=dtype)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, [heads * qk], comm,
+                                                 shard_ranges=[(start * qk, self.num_heads * qk)],
+                                                 dtype=dtype)
+        else:
+            self.fused_qkv_a_proj = DataParallelLinear(hidden, [mla.latent_dim], comm,
+                                                       shard_ids=["kv_a"], dtype=dtype)
+            self.q_proj = ColumnParallelLinear(hidden, [heads * qk], comm,
+                                               shard_ranges=[(start * qk, self.num_heads * qk)],
+                                               dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, dtype)
+        self.kv_b_proj = ColumnParallelLinear(
+            mla.kv_lora_rank, [heads * nope_v], comm,
+            shard_ranges=[(start * nope_v, self.num_heads * nope_v)], dtype=dtype)
+        self.o_proj = RowParallelLinear(
+            heads * mla.v_head_dim, hidden, comm,
+            in_range=(start * mla.v_head_dim, self.num_heads * mla.v_head_dim), reduce=False,
+            dtype=dtype)
+        self.rotary = rotary
+        self.attn = LatentAttention(self.num_heads, mla.kv_lora_rank, mla.qk_nope_head_dim,
+                                    mla.qk_rope_head_dim, mla.v_head_dim,
+                                    softmax_scale(mla, config.rope_scaling))
+
+    def project_latent(self, hidden: torch.Tensor, batch: ForwardBatch) -> Handle:
+        """The fused A projection of every token: token-split with an all-gather in flight
+        (`batch.dp_linear`), or computed here in full."""
+        if batch.dp_linear:
+            return self.fused_qkv_a_proj.forward_async(hidden)
+        out = self.fused_qkv_a_proj(hidden)
+        return Handle(lambda: out)
+
+    def forward(self, hidden: torch.Tensor, projected: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """This rank's partial output; the caller all-reduces it."""
+        mla = self.mla
+        if mla.q_lora_rank:
+            q_a, kv_a = projected.split([mla.q_lora_rank, mla.latent_dim], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a)[0])
+        else:
+            kv_a, q = projected, self.q_proj(hidden)
+        q_nope, q_rope = q.view(-1, self.num_heads, mla.qk_head_dim).split(
+            [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        kv_latent, k_rope = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        q_rope, k_rope = self.rotary(batch.positions, q_rope, k_rope[:, None])
+        latent = torch.cat([self.kv_a_layernorm(kv_latent)[0], k_rope[:, 0]], dim=-1)
+        out = self.attn(q_nope, q_rope, latent, self.kv_b_proj.weight, batch)
+        return self.o_proj(out)
+
+
+class DeepseekV2MoE(nn.Module):
+    """Router, routed experts and shared experts; returns this rank's partial output."""
+
+    def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
+        super().__init__()
+        cfg = config.extra
+        router = RouterConfig.from_hf(cfg, v3=config.architecture == "DeepseekV3ForCausalLM")
+        inter = cfg["moe_intermediate_size"]
+        self.gate = TopKRouter(config.hidden_size, router)
+        self.experts = RoutedExperts(router.num_experts, config.hidden_size, inter, comm, dtype)
+        shared = cfg.get("n_shared_experts") or 0
+        self.shared_experts = (GatedMLP(config.hidden_size, inter * shared, comm, dtype)
+                               if shared else None)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(hidden)
+        out = self.experts(hidden, weights, ids)
+        if self.shared_experts is not None:
+            out += self.shared_experts(hidden)
+        return out
+
+
+class DeepseekV2DecoderLayer(DecoderLayer):
+    """MLA and a dense MLP or MoE, as the three stages described in the module docstring."""
+
+    def __init__(self, config: ModelConfig, comm: Communicator, rotary: RotaryEmbedding,
+                 dtype: torch.dtype, index: int) -> None:
+        dense = index < config.extra.get("first_k_dense_replace", 0)
+        mlp = (GatedMLP(config.hidden_size, config.intermediate_size, comm, dtype) if dense
+               else DeepseekV2MoE(config, comm, dtype))
+        super().__init__(config, comm, dtype, DeepseekV2Attention(config, comm, rotary, dtype),
+                         mlp)
+
+    def operations(self) -> list:
+        return [self.latent_op, YIELD, self.attention_op, YIELD, self.mlp_op, YIELD]
+
+    def latent_op(self, state: State, batch: ForwardBatch) -> None:
+        hidden = self.attention_input(state)
+        state.put("hidden", hidden)
+        state.put("projected", self.self_attn.project_latent(hidden, batch))
+
+    def attention_op(self, state: State, batch: ForwardBatch) -> None:
+        out = self.self_attn(state.take("hidden"), state.take("projected").wait(), batch)
+        state.put("partial", self.comm.all_reduce_async(out))
+
+
+_EXPERT_WEIGHT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+class DeepseekV2ForCausalLM(CausalLM):
+    """DeepSeek-V2/V3 with a vocabulary-parallel LM head; returns logits of requested tokens."""
+
+    stacked_params = (
+        ("fused_qkv_a_proj", "q_a_proj", "q_a"),
+        ("fused_qkv_a_proj", "kv_a_proj_with_mqa", "kv_a"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+
+    def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
+        if config.extra.get("quantization_config"):
+            raise UserError("quantized DeepSeek checkpoints (e.g. FP8) are not supported; "
+                            "convert the weights to bf16 first")
+        mla = MLAConfig.from_hf(config.extra)
+        rotary = RotaryEmbedding(mla.qk_rope_head_dim, config.max_position_embeddings,
+                                 config.rope_theta, config.rope_scaling,
+                                 interleaved=config.extra.get("rope_interleave", True))
+        super().__init__(config, DecoderModel(
+            config, comm, dtype, lambda i: DeepseekV2DecoderLayer(config, comm, rotary, dtype, i)))
+
+    def checkpoint_param(self, name: str) -> tuple[str, object] | None:
+        """Per-expert checkpoint tensors go into the stacked expert parameters."""
+        match = _EXPERT_WEIGHT.fullmatch(name)
+        if match is None:
+            return None
+        prefix, expert, part = match.groups()
+        return f"{prefix}.{'w2' if part == 'down_proj' else 'w13'}", (int(expert), part)
+
+    def is_ignored_weight(self, name: str) -> bool:
+        """Also the layers past `num_hidden_layers` (V3's multi-token-prediction module)."""
+        layer = _LAYER.match(name)
+        return super().is_ignored_weight(name) or (
+            layer is not None and int(layer.group(1)) >= self.config.num_layers)

@@ -1,0 +1,177 @@
+"""DeepSeek-V2/V3 (MLA, MoE, DP linear) against Hugging Face transformers on random tiny
+checkpoints written by `braid make-random-model`, at tp 1, 2 and 3 (fp32)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from conftest import hf_greedy
+from test_hf_parity import check_logits
+
+from braid import LLM, SamplingParams
+from braid.config import EngineConfig, load_model_config
+from braid.distributed.comm import SkipCommunicator
+from braid.engine.kv_cache import BlockAllocator
+from braid.engine.model_runner import ModelRunner
+from braid.engine.request import Sequence
+from braid.engine.scheduler import Scheduler
+from braid.random_model import make_random_model
+
+GREEDY_STEPS = 32
+
+
+@pytest.fixture(scope="session")
+def deepseek_folders(tmp_path_factory, tokenizer) -> dict[str, str]:
+    """Tiny V2 (no q LoRA, softmax group-limited router) and V3 (q LoRA, sigmoid router with
+    groups and correction bias), both with YaRN rotary scaling."""
+    root = tmp_path_factory.mktemp("deepseek")
+    return {arch: str(make_random_model(arch, "tiny", str(root / arch), tokenizer=tokenizer))
+            for arch in ("deepseek_v2", "deepseek_v3")}
+
+
+@pytest.fixture(scope="session")
+def deepseek_prompts() -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, 49152, n).tolist() for n in (1, 7, 23, 60)]
+
+
+@pytest.fixture(scope="session")
+def deepseek_reference(deepseek_folders, deepseek_prompts):
+    """Per architecture: transformers' logits at every position and greedy tokens per prompt."""
+    from transformers import AutoModelForCausalLM
+
+    reference = {}
+    for arch, folder in deepseek_folders.items():
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.inference_mode():
+            logits = [model(torch.tensor([p])).logits[0] for p in deepseek_prompts]
+            greedy = [hf_greedy(model, p, GREEDY_STEPS) for p in deepseek_prompts]
+        reference[arch] = logits, greedy
+    return reference
+
+
+def greedy(llm: LLM, prompts, steps: int = 8, **settings) -> list[list[int]]:
+    for name, value in settings.items():
+        setattr(llm, name, value)
+    params = SamplingParams(max_new_tokens=steps, temperature=0, ignore_eos=True)
+    return [out.token_ids for out in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("arch,tp,comm", [
+    ("deepseek_v2", 1, "auto"), ("deepseek_v2", 2, "shm"), ("deepseek_v2", 3, "shm"),
+    ("deepseek_v3", 1, "auto"), ("deepseek_v3", 2, "shm"), ("deepseek_v3", 2, "torch"),
+    ("deepseek_v3", 3, "shm"),
+])
+def test_deepseek_matches_transformers(arch, tp, comm, deepseek_folders, deepseek_prompts,
+                                       deepseek_reference):
+    ref_logits, ref_greedy = deepseek_reference[arch]
+    with LLM(deepseek_folders[arch], tp=tp, dtype="fp32", comm=comm, dp_linear="off",
+             overlap="off") as llm:
+        check_logits(llm.prompt_logits(deepseek_prompts), ref_logits)
+        # Batched prefill, then decode steps in the absorbed form.
+        assert greedy(llm, deepseek_prompts, GREEDY_STEPS) == ref_greedy
+
+        # DP linear: one prompt per token count (its prefill step has that many tokens, then
+        # 1-token decode steps); on must give the tokens off gives.
+        rng = np.random.default_rng(2)
+        for count in sorted({1, max(tp - 1, 1), tp + 1, 257, 1023}):
+            prompt = [rng.integers(0, 49152, count).tolist()]
+            off = greedy(llm, prompt, dp_linear="off")
+            assert greedy(llm, prompt, dp_linear="on") == off, f"{count} tokens"
+        llm.dp_linear = "on"
+        check_logits(llm.prompt_logits(deepseek_prompts), ref_logits)
+
+        # Two-batch overlap, with and without the DP linear's all-gather in the stages.
+        for dp in ("off", "on"):
+            off = greedy(llm, deepseek_prompts, 16, overlap="off", dp_linear=dp)
+            assert greedy(llm, deepseek_prompts, 16, overlap="on", dp_linear=dp) == off
+
+
+@pytest.fixture(scope="module")
+def v3_runner(deepseek_folders):
+    folder = deepseek_folders["deepseek_v3"]
+    engine = EngineConfig(model=folder, dtype="fp32", max_total_tokens=4096)
+    return ModelRunner(engine, load_model_config(folder), SkipCommunicator(0, 1))
+
+
+def logits_in_mode(runner, plan, mode: str) -> torch.Tensor:
+    for layer in runner.model.model.layers:
+        layer.self_attn.attn.mode = mode
+    try:
+        return runner.step(replace(plan, sampling=None, return_logits="all")).logits
+    finally:
+        for layer in runner.model.model.layers:
+            layer.self_attn.attn.mode = "auto"
+
+
+def test_absorbed_attention_equals_expanded(v3_runner, deepseek_prompts):
+    """Decode steps (absorbed by default) and chunked prefill with a cached prefix (expanded by
+    default), each run both ways on the same plan; rerunning a step rewrites the same cache
+    slots with the same latents."""
+    scheduler = Scheduler(BlockAllocator(4096, 16), 16, 64, set(), 8192)
+    for i, p in enumerate(deepseek_prompts):
+        scheduler.add(Sequence(i, list(p), SamplingParams(temperature=0, ignore_eos=True,
+                                                          max_new_tokens=4)))
+    kinds = set()
+    while scheduler.has_work:
+        plan, batch = scheduler.schedule()
+        expanded = logits_in_mode(v3_runner, plan, "expanded")
+        absorbed = logits_in_mode(v3_runner, plan, "absorbed")
+        assert torch.equal(expanded.argmax(-1), absorbed.argmax(-1))
+        assert (expanded - absorbed).abs().max().item() <= 1e-4
+        kinds.add("decode" if (plan.q_lens == 1).all() else "prefill")
+        scheduler.commit(batch, v3_runner.step(plan).next_tokens)
+    assert kinds == {"decode", "prefill"}
+
+
+@pytest.mark.parametrize("method,scoring,norm", [
+    ("greedy", "softmax", False), ("group_limited_greedy", "softmax", False),
+    ("noaux_tc", "sigmoid", True), ("noaux_tc", "sigmoid", False),
+])
+def test_router_matches_transformers(method, scoring, norm):
+    from transformers import DeepseekV2Config, DeepseekV3Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from braid.layers.moe import RouterConfig, TopKRouter
+
+    v3 = method == "noaux_tc"
+    cfg = dict(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+               topk_group=2, norm_topk_prob=norm, routed_scaling_factor=2.5, topk_method=method,
+               scoring_func=scoring)
+    hf = (DeepseekV3TopkRouter(DeepseekV3Config(**cfg)) if v3
+          else DeepseekV2TopkRouter(DeepseekV2Config(**cfg)))
+    ours = TopKRouter(32, RouterConfig.from_hf(cfg, v3=v3))
+    torch.manual_seed(0)
+    ours.weight.data.copy_(torch.randn(16, 32) / 32 ** 0.5)
+    hf.weight.data.copy_(ours.weight.data)
+    if v3:
+        ours.e_score_correction_bias.data.copy_(0.1 * torch.randn(16))
+        hf.e_score_correction_bias.copy_(ours.e_score_correction_bias.data)
+    hidden = torch.randn(64, 32)
+    weights, ids = ours(hidden)
+    _, hf_weights, hf_ids = hf(hidden)
+    order, hf_order = ids.argsort(-1), hf_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
+    assert torch.allclose(weights.gather(1, order), hf_weights.gather(1, hf_order), atol=1e-6)
+
+
+def test_checkpoint_problems_are_named(deepseek_folders):
+    """A missing expert tensor is named; layers past num_hidden_layers (V3's MTP module) are
+    skipped, not reported."""
+    from braid.engine.model_runner import checkpoint_weights
+    from braid.loader.weights import TensorWeight, load_weights
+    from braid.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    folder = deepseek_folders["deepseek_v3"]
+    config = load_model_config(folder)
+    model = DeepseekV2ForCausalLM(config, SkipCommunicator(0, 1), torch.float32)
+    weights = list(checkpoint_weights(folder, config))
+    extra_layer = ("model.layers.3.mlp.gate.weight", TensorWeight(torch.zeros(8, 100)))
+    load_weights(model, [*weights, extra_layer])
+    dropped = [(n, w) for n, w in weights if n != "model.layers.2.mlp.experts.5.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"missing weights: .*experts\.w13 \[\(5, 'up_proj'\)\]"):
+        load_weights(model, dropped)
