@@ -99,6 +99,12 @@ def cmd_bench_comm(args: argparse.Namespace) -> None:
     run_bench_comm(args)
 
 
+def cmd_bench_dp_linear(args: argparse.Namespace) -> None:
+    from braid.bench.dp_linear import run_bench_dp_linear
+
+    run_bench_dp_linear(args)
+
+
 def cmd_make_random_model(args: argparse.Namespace) -> None:
     from braid.random_model import make_random_model
 
@@ -140,9 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--overlap-sweep", action="store_true",
                        help="overlap off/on over --sweep-batch-sizes (prefill of --input-len "
                             "tokens each, and decode); prints the --overlap-min-tokens to set")
+    bench.add_argument("--compare-dp-linear", default=None, metavar="MODES",
+                       help="time these --dp-linear modes (e.g. off,on) alternately in one "
+                            "launch, --repeat rounds; prints each mode's best prefill and "
+                            "median decode and the ratios to the first mode")
     bench.add_argument("--sweep-batch-sizes", default="1,4,16,64")
     bench.add_argument("--repeat", type=int, default=2,
-                       help="timed runs per sweep point (the fastest counts)")
+                       help="timed runs per sweep point or compared mode (the fastest counts)")
     bench.set_defaults(func=cmd_bench_one_batch)
 
     comm = sub.add_parser("bench-comm", help="collective latency and bandwidth per backend")
@@ -153,6 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated byte counts with K/M/G suffixes")
     comm.add_argument("--result-file", default=None, help="append one JSONL row per measurement")
     comm.set_defaults(func=cmd_bench_comm)
+    dpl = sub.add_parser("bench-dp-linear",
+                         help="per-rank time of a model's fused replicated projection: "
+                              "replicated vs DataParallelLinear (token split + all-gather)")
+    dpl.add_argument("--model", required=True, help="a DeepSeek folder (its config is read)")
+    dpl.add_argument("--tp", type=int, default=2)
+    dpl.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    dpl.add_argument("--comm", choices=COMM_CHOICES, default="auto")
+    dpl.add_argument("--tokens", default="1,32,256,1024,4096",
+                     help="comma-separated token counts")
+    dpl.add_argument("--repeat", type=int, default=5, help="timed runs per point (median)")
+    dpl.add_argument("--result-file", default=None, help="append one JSONL row per point")
+    dpl.set_defaults(func=cmd_bench_dp_linear)
+
     rand = sub.add_parser("make-random-model",
                           help="write a random-weight Hugging Face folder (config, safetensors, "
                                "the embedded model's tokenizer)")

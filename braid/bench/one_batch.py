@@ -91,12 +91,13 @@ class BraidWorkload:
         self.llm = LLM(**kwargs)
 
     def run(self, prompts: np.ndarray, output_len: int, overlap: str | None = None,
-            skip_comm: bool | None = None) -> BenchResult:
+            skip_comm: bool | None = None, dp_linear: str | None = None) -> BenchResult:
         from braid.engine.request import SamplingParams
 
         config = self.llm.config
         self.llm.overlap = overlap or config.overlap
         self.llm.skip_comm = config.skip_comm if skip_comm is None else skip_comm
+        self.llm.dp_linear = dp_linear or config.dp_linear
         params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
         for ids in prompts:
             self.llm.add_request(ids.tolist(), params)
@@ -201,7 +202,8 @@ def timed(workload, prompts: np.ndarray, output_len: int, warmup: int, **setting
 def base_row(args: argparse.Namespace, **fields) -> dict:
     """The JSONL fields that describe a run's configuration."""
     row = {"backend": args.backend, "model": args.model, "tp": args.tp, "dtype": args.dtype,
-           "comm": args.comm, "overlap": args.overlap, "skip_comm": args.skip_comm,
+           "comm": args.comm, "overlap": args.overlap, "dp_linear": args.dp_linear,
+           "skip_comm": args.skip_comm,
            "batch_size": args.batch_size, "input_len": args.input_len,
            "output_len": args.output_len, "cores": len(usable_cores())}
     row.update(fields)
@@ -211,7 +213,8 @@ def base_row(args: argparse.Namespace, **fields) -> dict:
 def print_header(row: dict) -> None:
     """One line naming the configuration of the run printed below it."""
     print(f"Benchmark: backend={row['backend']} tp={row['tp']} dtype={row['dtype']} "
-          f"comm={row['comm']} overlap={row['overlap']}{' skip_comm' if row['skip_comm'] else ''}"
+          f"comm={row['comm']} overlap={row['overlap']} dp_linear={row['dp_linear']}"
+          f"{' skip_comm' if row['skip_comm'] else ''}"
           f" batch_size={row['batch_size']} input_len={row['input_len']} "
           f"output_len={row['output_len']} cores={row['cores']}")
 
@@ -227,8 +230,10 @@ def append_rows(path: str | None, rows: list[dict]) -> None:
 def run_bench_one_batch(args: argparse.Namespace) -> list[dict]:
     """Run the benchmark as the CLI flags say; print SGLang's lines; append JSONL rows."""
     config = prepare(args)
-    if args.backend == "hf" and (args.overlap_sweep or args.measure_exposed):
-        raise UserError("--overlap-sweep and --measure-exposed measure braid; drop --backend hf")
+    if args.backend == "hf" and (args.overlap_sweep or args.measure_exposed
+                                 or args.compare_dp_linear):
+        raise UserError("--overlap-sweep, --measure-exposed and --compare-dp-linear measure "
+                        "braid; drop --backend hf")
     if args.overlap_sweep:
         from braid.bench.overlap import run_overlap_sweep
 
@@ -243,6 +248,10 @@ def run_bench_one_batch(args: argparse.Namespace) -> list[dict]:
             from braid.bench.overlap import measure_exposed
 
             rows = measure_exposed(args, workload, prompts)
+        elif args.compare_dp_linear:
+            from braid.bench.dp_linear import compare_dp_linear
+
+            rows = compare_dp_linear(args, workload, prompts)
         else:
             result = timed(workload, prompts, args.output_len, args.warmup)
             row = base_row(args)

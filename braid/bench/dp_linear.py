@@ -1,0 +1,146 @@
+"""DP linear measurements.
+
+- `braid bench-one-batch --compare-dp-linear off,on`: whole prefill and decode steps with each
+  `--dp-linear` mode, alternating in one launch (the mode is a per-step setting).
+- `braid bench-dp-linear`: the fused replicated projection alone (DeepSeek's q_a + kv_a), per
+  rank: the replicated GEMM over all tokens vs `DataParallelLinear` (1/tp of the tokens, then
+  the all-gather), at several token counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from braid.bench.one_batch import BraidWorkload, append_rows, base_row, timed
+from braid.config import (
+    DP_LINEAR_CHOICES,
+    DTYPES,
+    UserError,
+    load_model_config,
+    resolve_comm,
+    resolve_dtype,
+    usable_cores,
+)
+from braid.distributed.comm import TorchCommunicator
+from braid.distributed.launch import RankGroup
+from braid.distributed.shm import ShmCommunicator, ShmSegment, activation_slot_bytes
+from braid.layers.linear import DataParallelLinear
+
+
+def compare_dp_linear(args: argparse.Namespace, workload: BraidWorkload,
+                      prompts: np.ndarray) -> list[dict]:
+    """Each mode of `--compare-dp-linear` timed `--repeat` times, modes alternating; the
+    fastest prefill and fastest median decode step of each mode count."""
+    modes = args.compare_dp_linear.split(",")
+    bad = [m for m in modes if m not in DP_LINEAR_CHOICES]
+    if bad or len(modes) < 2:
+        raise UserError(f"--compare-dp-linear takes two or more of "
+                        f"{', '.join(DP_LINEAR_CHOICES)}, comma-separated; got "
+                        f"{args.compare_dp_linear!r}")
+    for mode in modes:
+        timed(workload, prompts, min(args.output_len, 4), 0, dp_linear=mode)  # warm-up
+    best = {mode: [float("inf"), float("inf")] for mode in modes}
+    for _ in range(args.repeat):
+        for mode in modes:
+            result = workload.run(prompts, args.output_len, dp_linear=mode)
+            decode = statistics.median(result.decode_latencies or [float("inf")])
+            best[mode] = [min(best[mode][0], result.prefill_latency), min(best[mode][1], decode)]
+    bs, tokens = args.batch_size, args.batch_size * args.input_len
+    first = modes[0]
+    print(f"\nDP linear: tp={args.tp} comm={args.comm} dtype={args.dtype} batch_size={bs} "
+          f"input_len={args.input_len} output_len={args.output_len} "
+          f"dp_linear_min_tokens={args.dp_linear_min_tokens} cores={len(usable_cores())} "
+          f"(fastest of {args.repeat})")
+    print(f"{'mode':>5} | {'prefill s':>10} {'tok/s':>9} {'x ' + first:>8} | "
+          f"{'decode s':>9} {'tok/s':>8} {'x ' + first:>8}")
+    rows = []
+    for mode in modes:
+        prefill, decode = best[mode]
+        prefill_x, decode_x = best[first][0] / prefill, best[first][1] / decode
+        decode_tps = bs / decode if args.output_len > 1 else 0.0
+        print(f"{mode:>5} | {prefill:10.4f} {tokens / prefill:9.1f} {prefill_x:7.3f}x | "
+              f"{decode:9.4f} {decode_tps:8.1f} {decode_x:7.3f}x")
+        rows.append(base_row(args, dp_linear=mode, prefill_latency=prefill,
+                             prefill_throughput=tokens / prefill, median_decode_latency=decode,
+                             median_decode_throughput=decode_tps,
+                             prefill_speedup_vs_first=prefill_x,
+                             decode_speedup_vs_first=decode_x))
+    return rows
+
+
+def _median_seconds(fn, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def dp_linear_worker(rank: int, world_size: int, conn, hidden: int, out_sizes: list[int],
+                     dtype: str, token_counts: list[int], repeat: int,
+                     segment: ShmSegment | None) -> None:
+    """Rank entry point: time both forms at every token count; rank 0 answers the rows."""
+    comm = (ShmCommunicator(rank, segment) if segment is not None
+            else TorchCommunicator(rank, world_size))
+    layer = DataParallelLinear(hidden, out_sizes, comm, shard_ids=list(range(len(out_sizes))),
+                               dtype=DTYPES[dtype])
+    torch.manual_seed(0)
+    layer.weight.data.normal_(0.0, hidden ** -0.5)
+    rows = []
+    with torch.inference_mode():
+        for tokens in token_counts:
+            x = torch.randn(tokens, hidden).to(DTYPES[dtype])
+            replicated = _median_seconds(lambda x=x: layer(x), repeat)
+            split = _median_seconds(lambda x=x: layer.forward_async(x).wait(), repeat)
+            per_rank = comm.all_gather(torch.tensor([[replicated, split]], dtype=torch.float64))
+            slowest = per_rank.max(dim=0).values.tolist()
+            rows.append({"tokens": tokens, "replicated_s": slowest[0], "dp_linear_s": slowest[1],
+                         "ratio": slowest[1] / slowest[0], "per_rank": per_rank.tolist()})
+    if segment is not None:
+        comm.close()
+    conn.send(("ok", rows))
+    conn.recv()
+
+
+def run_bench_dp_linear(args: argparse.Namespace) -> list[dict]:
+    """Run the micro-benchmark as the CLI flags say; print the table; append JSONL rows."""
+    config = load_model_config(args.model)
+    extra = config.extra
+    if "kv_lora_rank" not in extra:
+        raise UserError(f"{args.model} has no replicated MLA projection (not a DeepSeek model)")
+    if args.tp < 2:
+        raise UserError("bench-dp-linear needs --tp 2 or more")
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    out_sizes = [s for s in (extra.get("q_lora_rank"),
+                             extra["kv_lora_rank"] + extra["qk_rope_head_dim"]) if s]
+    dtype = resolve_dtype(args.dtype)
+    comm = resolve_comm() if args.comm == "auto" else args.comm
+    segment = None
+    if comm == "shm":
+        segment = ShmSegment.create(args.tp, slot_bytes=activation_slot_bytes(
+            max(token_counts), sum(out_sizes), DTYPES[dtype].itemsize))
+    group = RankGroup(args.tp, dp_linear_worker,
+                      (config.hidden_size, out_sizes, dtype, token_counts, args.repeat, segment),
+                      cleanup=segment.unlink if segment else None)
+    try:
+        rows = group.recv(0)
+    finally:
+        group.close()
+    print(f"Fused replicated projection {config.hidden_size} -> {' + '.join(map(str, out_sizes))}"
+          f": tp={args.tp} comm={comm} dtype={dtype} cores={len(usable_cores())} "
+          f"(median of {args.repeat}; slowest rank)")
+    print(f"{'tokens':>7} | {'replicated ms':>13} | {'dp linear ms':>12} | {'dp/replicated':>13}")
+    for row in rows:
+        print(f"{row['tokens']:7d} | {row['replicated_s'] * 1e3:13.2f} | "
+              f"{row['dp_linear_s'] * 1e3:12.2f} | {row['ratio']:12.3f}x")
+        row.update(model=args.model, tp=args.tp, comm=comm, dtype=dtype,
+                   cores=len(usable_cores()))
+    append_rows(args.result_file, rows)
+    return rows
