@@ -3,6 +3,7 @@ checkpoints written by `braid make-random-model`, at tp 1, 2 and 3 (fp32)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -175,3 +176,36 @@ def test_checkpoint_problems_are_named(deepseek_folders):
     dropped = [(n, w) for n, w in weights if n != "model.layers.2.mlp.experts.5.up_proj.weight"]
     with pytest.raises(ValueError, match=r"missing weights: .*experts\.w13 \[\(5, 'up_proj'\)\]"):
         load_weights(model, dropped)
+
+
+def test_cli_on_a_deepseek_folder(deepseek_folders, tmp_path):
+    from test_cli import assert_user_error, braid
+
+    folder = deepseek_folders["deepseek_v3"]
+    result = braid("generate", "--model", folder, "--tp", "2", "--dp-linear", "on",
+                   "--temperature", "0", "--max-new-tokens", "4", "--json", "Hello")
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)["token_ids"]) == 4
+    assert_user_error(braid("generate", "--model", folder, "--tp", "6", "Hi"),
+                      "exceeds the model's 5 attention heads")
+    assert_user_error(braid("make-random-model", "--arch", "deepseek_v2", folder),
+                      "exists and is not empty")
+
+
+def test_dp_linear_benchmarks_print_their_tables(deepseek_folders, tmp_path):
+    from test_cli import braid
+
+    folder, rows = deepseek_folders["deepseek_v3"], tmp_path / "rows.jsonl"
+    micro = braid("bench-dp-linear", "--model", folder, "--tp", "2", "--tokens", "1,5",
+                  "--repeat", "2", "--result-file", str(rows))
+    assert micro.returncode == 0, micro.stderr
+    assert "dp/replicated" in micro.stdout
+    whole = braid("bench-one-batch", "--model", folder, "--tp", "2", "--batch-size", "2",
+                  "--input-len", "8", "--output-len", "3", "--compare-dp-linear", "off,on",
+                  "--repeat", "1", "--result-file", str(rows))
+    assert whole.returncode == 0, whole.stderr
+    assert "DP linear: tp=2" in whole.stdout
+    lines = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert [r["tokens"] for r in lines[:2]] == [1, 5] and lines[0]["ratio"] > 0
+    assert [r["dp_linear"] for r in lines[2:]] == ["off", "on"]
+    assert lines[3]["prefill_speedup_vs_first"] > 0

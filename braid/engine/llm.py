@@ -36,7 +36,8 @@ class LLM:
         self.config = EngineConfig(model=model or default_model_path(), tp=tp, dtype=dtype,
                                    **engine_args)
         self.model_config = load_model_config(self.config.model)
-        model_class(self.model_config)  # refuse an unsupported architecture before launching
+        # Refuse an unsupported architecture or split before launching.
+        model_class(self.model_config).check_config(self.model_config, tp)
         segment = None
         if self.config.comm == "shm" and tp > 1:
             segment = ShmSegment.create(tp, slot_bytes=activation_slot_bytes(

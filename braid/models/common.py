@@ -74,6 +74,11 @@ class CausalLM(nn.Module):
 
     stacked_params: tuple = ()
 
+    @classmethod
+    def check_config(cls, config: ModelConfig, tp: int) -> None:
+        """Raise `UserError` if this checkpoint cannot run at `tp` ranks (the driver calls it
+        before launching, so the user gets one clear line instead of a rank's traceback)."""
+
     def __init__(self, config: ModelConfig, model: DecoderModel) -> None:
         super().__init__()
         self.config = config

@@ -62,6 +62,10 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
+def _is_v3(config: ModelConfig) -> bool:
+    return config.architecture == "DeepseekV3ForCausalLM"
+
+
 def softmax_scale(mla: MLAConfig, rope_scaling: dict | None) -> float:
     """1/sqrt(qk head dim), times YaRN's mscale(factor, mscale_all_dim)^2 when it applies."""
     scale = mla.qk_head_dim ** -0.5
@@ -77,8 +81,6 @@ class DeepseekV2Attention(nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         mla = self.mla = MLAConfig.from_hf(config.extra)
-        if config.extra.get("attention_bias"):
-            raise UserError("DeepSeek checkpoints with attention_bias are not supported")
         heads = config.num_heads
         start, self.num_heads = split_range(heads, comm.world_size, comm.rank)
         qk, nope_v = mla.qk_head_dim, mla.qk_nope_head_dim + mla.v_head_dim
@@ -142,7 +144,7 @@ class DeepseekV2MoE(nn.Module):
     def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
         super().__init__()
         cfg = config.extra
-        router = RouterConfig.from_hf(cfg, v3=config.architecture == "DeepseekV3ForCausalLM")
+        router = RouterConfig.from_hf(cfg, v3=_is_v3(config))
         inter = cfg["moe_intermediate_size"]
         self.gate = TopKRouter(config.hidden_size, router)
         self.experts = RoutedExperts(router.num_experts, config.hidden_size, inter, comm, dtype)
@@ -196,10 +198,19 @@ class DeepseekV2ForCausalLM(CausalLM):
         ("gate_up_proj", "up_proj", 1),
     )
 
-    def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
+    @classmethod
+    def check_config(cls, config: ModelConfig, tp: int) -> None:
         if config.extra.get("quantization_config"):
             raise UserError("quantized DeepSeek checkpoints (e.g. FP8) are not supported; "
                             "convert the weights to bf16 first")
+        if config.extra.get("attention_bias"):
+            raise UserError("DeepSeek checkpoints with attention_bias are not supported")
+        if tp > config.num_heads:
+            raise UserError(f"--tp {tp} exceeds the model's {config.num_heads} attention heads; "
+                            f"use --tp of at most {config.num_heads}")
+        RouterConfig.from_hf(config.extra, v3=_is_v3(config))
+
+    def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
         mla = MLAConfig.from_hf(config.extra)
         rotary = RotaryEmbedding(mla.qk_rope_head_dim, config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling,

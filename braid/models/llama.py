@@ -76,6 +76,10 @@ class LlamaForCausalLM(CausalLM):
         ("gate_up_proj", "up_proj", 1),
     )
 
+    @classmethod
+    def check_config(cls, config: ModelConfig, tp: int) -> None:
+        partition_heads(config.num_heads, config.num_kv_heads, tp)
+
     def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling)
