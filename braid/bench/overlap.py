@@ -56,18 +56,20 @@ def measure_exposed(args: argparse.Namespace, workload: BraidWorkload,
                    exposed_share_decode=exposed_decode / decode if decode else 0.0)
         rows.append(row)
     off, on = rows
-    for phase, i in (("prefill", 0), ("decode", 1)):
+    phases = [("prefill", 0), ("decode", 1)] if args.output_len > 1 else [("prefill", 0)]
+    for phase, i in phases:
         base = exposed["off"][i]
         on[f"overlap_efficiency_{phase}"] = 1 - exposed["on"][i] / base if base > 0 else None
     on["prefill_speedup"] = off["prefill_latency"] / on["prefill_latency"]
-    on["decode_speedup"] = off["median_decode_latency"] / on["median_decode_latency"]
+    if args.output_len > 1:
+        on["decode_speedup"] = off["median_decode_latency"] / on["median_decode_latency"]
     print("\nExposed communication (T - T_skip_comm):")
-    for phase, key in (("prefill", "prefill"), ("decode", "decode")):
+    for phase, _ in phases:
         eff = on[f"overlap_efficiency_{phase}"]
-        print(f"  {phase:7s}: off {off[f'exposed_comm_{key}'] * 1e3:8.2f} ms "
-              f"({off[f'exposed_share_{key}']:6.1%} of the step), "
-              f"on {on[f'exposed_comm_{key}'] * 1e3:8.2f} ms "
-              f"({on[f'exposed_share_{key}']:6.1%}); overlap efficiency "
+        print(f"  {phase:7s}: off {off[f'exposed_comm_{phase}'] * 1e3:8.2f} ms "
+              f"({off[f'exposed_share_{phase}']:6.1%} of the step), "
+              f"on {on[f'exposed_comm_{phase}'] * 1e3:8.2f} ms "
+              f"({on[f'exposed_share_{phase}']:6.1%}); overlap efficiency "
               f"{'n/a' if eff is None else f'{eff:.1%}'}; on/off throughput "
               f"{on[f'{phase}_speedup']:.3f}x")
     return rows
