@@ -53,20 +53,19 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, LazyWeight]]) ->
 
     The model says how names map: `stacked_params` (checkpoint tensors fused into one
     parameter), `is_ignored_weight(name)` (present but unused: a tied `lm_head.weight`, extra
-    layers), and optionally `checkpoint_param(name)` returning (parameter name, shard id) or
-    None for the stacked rule. A parameter fed by several shards lists them in `shard_ids`
+    layers), and `checkpoint_param(name)` returning (parameter name, shard id), or None for
+    the stacked rule. A parameter fed by several shards lists them in `shard_ids`
     unless the stacked rule implies them. Raises `ValueError` naming every missing and every
     unexpected weight.
     """
     params = dict(model.named_parameters())
     stacked: StackedMapping = model.stacked_params
-    custom = getattr(model, "checkpoint_param", lambda name: None)
     loaded: set[tuple[str, object]] = set()
     unexpected = []
     for ckpt_name, weight in weights:
         if ckpt_name.endswith("rotary_emb.inv_freq") or model.is_ignored_weight(ckpt_name):
             continue
-        name, shard_id = custom(ckpt_name) or _rename(ckpt_name, stacked)
+        name, shard_id = model.checkpoint_param(ckpt_name) or _rename(ckpt_name, stacked)
         param = params.get(name)
         if param is None:
             unexpected.append(ckpt_name)

@@ -89,6 +89,11 @@ class CausalLM(nn.Module):
         """A checkpoint tensor present but unused: a tied head stored anyway."""
         return self.config.tie_word_embeddings and name == "lm_head.weight"
 
+    def checkpoint_param(self, name: str) -> tuple[str, object] | None:
+        """(parameter name, shard id) for checkpoint names `stacked_params` cannot map; None
+        leaves a name to that rule."""
+        return None
+
     def attention_layers(self) -> list[nn.Module]:
         """The modules that own a KV cache (`allocate_cache`), one per layer."""
         return [layer.self_attn.attn for layer in self.model.layers]
