@@ -209,3 +209,26 @@ def test_dp_linear_benchmarks_print_their_tables(deepseek_folders, tmp_path):
     assert [r["tokens"] for r in lines[:2]] == [1, 5] and lines[0]["ratio"] > 0
     assert [r["dp_linear"] for r in lines[2:]] == ["off", "on"]
     assert lines[3]["prefill_speedup_vs_first"] > 0
+
+
+@pytest.mark.parametrize("arch,changes", [
+    ("deepseek_v2", {"topk_method": "greedy", "rope_scaling": None}),  # V2-Lite's router
+    ("deepseek_v3", {"rope_interleave": False}),  # rotate-half rotary layout
+])
+def test_config_variants_match_transformers(arch, changes, deepseek_folders, deepseek_prompts,
+                                            tmp_path):
+    """Router and rotary variants the tiny presets do not use, at tp 1 (logits only)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / arch
+    shutil.copytree(deepseek_folders[arch], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        reference = [model(torch.tensor([p])).logits[0] for p in deepseek_prompts]
+    with LLM(str(folder), tp=1, dtype="fp32") as llm:
+        check_logits(llm.prompt_logits(deepseek_prompts), reference)
