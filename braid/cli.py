@@ -10,9 +10,8 @@ import warnings
 
 from braid.config import (
     COMM_CHOICES,
-    DP_LINEAR_CHOICES,
     DTYPE_CHOICES,
-    OVERLAP_CHOICES,
+    SWITCH_CHOICES,
     EngineConfig,
     UserError,
 )
@@ -38,7 +37,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV cache capacity in tokens")
     parser.add_argument("--max-prefill-tokens", type=int, default=8192,
                         help="token budget of one prefill step; longer prompts are chunked")
-    parser.add_argument("--overlap", choices=OVERLAP_CHOICES, default="auto",
+    parser.add_argument("--overlap", choices=SWITCH_CHOICES, default="auto",
                         help="two-batch overlap: on, off, or auto (on from --overlap-min-tokens)")
     parser.add_argument("--overlap-min-tokens", type=int, default=EngineConfig.overlap_min_tokens,
                         help="tokens per step from which --overlap auto splits the batch "
@@ -46,7 +45,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tbo-token-distribution-threshold", type=float, default=0.48,
                         help="smallest token share of a micro-batch before a sequence is cut "
                              "in two instead")
-    parser.add_argument("--dp-linear", choices=DP_LINEAR_CHOICES, default="auto",
+    parser.add_argument("--dp-linear", choices=SWITCH_CHOICES, default="auto",
                         help="split replicated projections (DeepSeek's fused q_a/kv_a) over "
                              "tokens and all-gather: on, off, or auto (from "
                              "--dp-linear-min-tokens tokens per step)")

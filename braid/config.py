@@ -13,8 +13,8 @@ import torch
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_CHOICES = ["auto", *DTYPES]
 COMM_CHOICES = ["auto", "shm", "torch"]
-OVERLAP_CHOICES = ["auto", "on", "off"]
-DP_LINEAR_CHOICES = ["auto", "on", "off"]
+# Per-step optimisations (--overlap, --dp-linear): always, never, or from a token count.
+SWITCH_CHOICES = ["auto", "on", "off"]
 # `--dp-linear auto` from this many tokens per step. Measured (bench-dp-linear, the bench
 # preset's 2048 -> 2112 projection at tp 2): on the 2-core CPU host the token split already pays
 # at 32 tokens (0.79x per rank; 0.49-0.57x from 256); on an H200 the bf16 GEMM takes as long for
@@ -54,6 +54,14 @@ def resolve_comm(device: str = "cpu") -> str:
     if device == "cpu" and "TORCHELASTIC_RUN_ID" not in os.environ:
         return "shm"
     return "torch"
+
+
+def auto_switch(mode: str, num_tokens: int, min_tokens: int, tp: int) -> bool:
+    """Whether a per-step optimisation runs for a step of `num_tokens`: `on`, `off`, or `auto`:
+    with several ranks, from `min_tokens` tokens per step, the measured point from which its
+    gain (hiding communication; splitting a replicated GEMM) outweighs its cost (two smaller
+    batches; an all-gather)."""
+    return mode == "on" or (mode == "auto" and tp > 1 and num_tokens >= min_tokens)
 
 
 def rope_kind(scaling: dict | None) -> str:
@@ -193,12 +201,10 @@ class EngineConfig:
         if self.comm == "shm" and (self.device != "cpu" or "TORCHELASTIC_RUN_ID" in os.environ):
             raise UserError("--comm shm serves CPU ranks started by braid on one host; "
                             "use --comm torch on GPUs or under torchrun")
-        if self.overlap not in OVERLAP_CHOICES:
-            raise UserError(f"--overlap must be one of {', '.join(OVERLAP_CHOICES)}, "
-                            f"got {self.overlap!r}")
-        if self.dp_linear not in DP_LINEAR_CHOICES:
-            raise UserError(f"--dp-linear must be one of {', '.join(DP_LINEAR_CHOICES)}, "
-                            f"got {self.dp_linear!r}")
+        for flag, value in (("--overlap", self.overlap), ("--dp-linear", self.dp_linear)):
+            if value not in SWITCH_CHOICES:
+                raise UserError(f"{flag} must be one of {', '.join(SWITCH_CHOICES)}, "
+                                f"got {value!r}")
         if self.dp_linear_min_tokens is None:
             object.__setattr__(self, "dp_linear_min_tokens",
                                DP_LINEAR_MIN_TOKENS["cuda" if self.device.startswith("cuda")

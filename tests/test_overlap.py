@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from braid.config import auto_switch
 from braid.engine.batch import StepPlan
 from braid.overlap.operations import (
     YIELD,
@@ -13,7 +14,7 @@ from braid.overlap.operations import (
     execute_overlapped,
     split_stages,
 )
-from braid.overlap.split import split_step, wants_overlap
+from braid.overlap.split import split_step
 
 BLOCK = 16
 
@@ -110,9 +111,9 @@ def test_no_split_is_ever_empty():
 
 
 def test_auto_policy_uses_the_token_threshold():
-    assert wants_overlap("on", 1, 1024, 2) and not wants_overlap("off", 10**6, 1, 2)
-    assert wants_overlap("auto", 1024, 1024, 2) and not wants_overlap("auto", 1023, 1024, 2)
-    assert not wants_overlap("auto", 10**6, 1024, 1)  # one rank: nothing to hide
+    assert auto_switch("on", 1, 1024, 2) and not auto_switch("off", 10**6, 1, 2)
+    assert auto_switch("auto", 1024, 1024, 2) and not auto_switch("auto", 1023, 1024, 2)
+    assert not auto_switch("auto", 10**6, 1024, 1)  # one rank: nothing to hide
 
 
 # --- executor ---------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ import torch
 
 from braid.bench.one_batch import BraidWorkload, append_rows, base_row, timed
 from braid.config import (
-    DP_LINEAR_CHOICES,
     DTYPES,
+    SWITCH_CHOICES,
     UserError,
     load_model_config,
     resolve_comm,
@@ -37,10 +37,10 @@ def compare_dp_linear(args: argparse.Namespace, workload: BraidWorkload,
     """Each mode of `--compare-dp-linear` timed `--repeat` times, modes alternating; the
     fastest prefill and fastest median decode step of each mode count."""
     modes = args.compare_dp_linear.split(",")
-    bad = [m for m in modes if m not in DP_LINEAR_CHOICES]
+    bad = [m for m in modes if m not in SWITCH_CHOICES]
     if bad or len(modes) < 2:
         raise UserError(f"--compare-dp-linear takes two or more of "
-                        f"{', '.join(DP_LINEAR_CHOICES)}, comma-separated; got "
+                        f"{', '.join(SWITCH_CHOICES)}, comma-separated; got "
                         f"{args.compare_dp_linear!r}")
     for mode in modes:
         timed(workload, prompts, min(args.output_len, 4), 0, dp_linear=mode)  # warm-up

@@ -8,7 +8,13 @@ from itertools import count
 
 import torch
 
-from braid.config import EngineConfig, UserError, default_model_path, load_model_config
+from braid.config import (
+    EngineConfig,
+    UserError,
+    auto_switch,
+    default_model_path,
+    load_model_config,
+)
 from braid.distributed.launch import launch_ranks
 from braid.distributed.shm import ShmSegment, activation_slot_bytes
 from braid.engine.batch import StepPlan
@@ -18,9 +24,7 @@ from braid.engine.request import RequestOutput, SamplingParams, Sequence
 from braid.engine.scheduler import Scheduler
 from braid.engine.tokenizer import apply_chat_template, load_tokenizer
 from braid.engine.worker import worker_main
-from braid.layers.linear import wants_dp_linear
 from braid.models.registry import model_class
-from braid.overlap.split import wants_overlap
 
 
 class LLM:
@@ -107,11 +111,11 @@ class LLM:
         return seq
 
     def _run(self, plan: StepPlan) -> StepResult:
-        plan.overlap = wants_overlap(self.overlap, plan.num_tokens, self.overlap_min_tokens,
-                                     self.config.tp)
+        plan.overlap = auto_switch(self.overlap, plan.num_tokens, self.overlap_min_tokens,
+                                   self.config.tp)
         plan.skip_comm = self.skip_comm
-        plan.dp_linear = wants_dp_linear(self.dp_linear, plan.num_tokens,
-                                         self.dp_linear_min_tokens, self.config.tp)
+        plan.dp_linear = auto_switch(self.dp_linear, plan.num_tokens,
+                                     self.dp_linear_min_tokens, self.config.tp)
         return self.ranks.request(("step", plan))
 
     def step(self) -> list[Sequence]:

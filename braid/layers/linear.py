@@ -48,12 +48,6 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def wants_dp_linear(mode: str, num_tokens: int, min_tokens: int, tp: int) -> bool:
-    """`--dp-linear`: on, off, or auto: with several ranks, from `min_tokens` tokens per step,
-    where the GEMM work saved outweighs the all-gather (small decode steps stay replicated)."""
-    return mode == "on" or (mode == "auto" and tp > 1 and num_tokens >= min_tokens)
-
-
 class DataParallelLinear(nn.Module):
     """A replicated projection whose work can be split over tokens instead of repeated.
 

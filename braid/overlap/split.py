@@ -64,12 +64,6 @@ def _cut_inside_sequence(plan: StepPlan, mid: int) -> MicroBatches:
     return MicroBatches(a, b, True)
 
 
-def wants_overlap(mode: str, num_tokens: int, min_tokens: int, tp: int) -> bool:
-    """`--overlap`: on, off, or auto: with several ranks, on from `min_tokens` tokens per step,
-    where the measured gain of hiding communication outweighs running two smaller batches."""
-    return mode == "on" or (mode == "auto" and tp > 1 and num_tokens >= min_tokens)
-
-
 def split_step(plan: StepPlan,
                threshold: float = DEFAULT_TOKEN_THRESHOLD) -> MicroBatches | None:
     """Two micro-batches for `plan`, or None when it cannot be split."""
