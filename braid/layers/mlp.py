@@ -10,6 +10,10 @@ from braid.distributed.comm import Communicator
 from braid.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from braid.layers.partition import split_range
 
+# Checkpoint names of the fused gate/up projection: (our segment, checkpoint segment, shard id),
+# for a model's `stacked_params`.
+GATE_UP_STACKED = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+
 
 class GatedMLP(nn.Module):
     """`down(silu(gate(x)) * up(x))`; returns this rank's partial sum (the caller all-reduces)."""

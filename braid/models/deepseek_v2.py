@@ -26,7 +26,7 @@ from braid.distributed.comm import Communicator, Handle
 from braid.engine.batch import ForwardBatch
 from braid.layers.linear import ColumnParallelLinear, DataParallelLinear, RowParallelLinear
 from braid.layers.mla import LatentAttention
-from braid.layers.mlp import GatedMLP
+from braid.layers.mlp import GATE_UP_STACKED, GatedMLP
 from braid.layers.moe import RoutedExperts, RouterConfig, TopKRouter
 from braid.layers.norm import RMSNorm
 from braid.layers.partition import split_range
@@ -194,8 +194,7 @@ class DeepseekV2ForCausalLM(CausalLM):
     stacked_params = (
         ("fused_qkv_a_proj", "q_a_proj", "q_a"),
         ("fused_qkv_a_proj", "kv_a_proj_with_mqa", "kv_a"),
-        ("gate_up_proj", "gate_proj", 0),
-        ("gate_up_proj", "up_proj", 1),
+        *GATE_UP_STACKED,  # dense MLPs and shared experts
     )
 
     @classmethod

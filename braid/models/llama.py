@@ -10,7 +10,7 @@ from braid.distributed.comm import Communicator
 from braid.engine.batch import ForwardBatch
 from braid.layers.attention import PagedAttention
 from braid.layers.linear import QKVParallelLinear, RowParallelLinear
-from braid.layers.mlp import GatedMLP
+from braid.layers.mlp import GATE_UP_STACKED, GatedMLP
 from braid.layers.partition import partition_heads
 from braid.layers.rotary import RotaryEmbedding
 from braid.models.common import CausalLM, DecoderLayer, DecoderModel
@@ -72,8 +72,7 @@ class LlamaForCausalLM(CausalLM):
         ("qkv_proj", "q_proj", "q"),
         ("qkv_proj", "k_proj", "k"),
         ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", 0),
-        ("gate_up_proj", "up_proj", 1),
+        *GATE_UP_STACKED,
     )
 
     @classmethod
