@@ -16,7 +16,13 @@ import time
 import numpy as np
 import torch
 
-from braid.bench.one_batch import BraidWorkload, append_rows, base_row, timed
+from braid.bench.one_batch import (
+    BraidWorkload,
+    append_rows,
+    base_row,
+    fastest_by_mode,
+    timed,
+)
 from braid.config import (
     DTYPES,
     SWITCH_CHOICES,
@@ -44,12 +50,7 @@ def compare_dp_linear(args: argparse.Namespace, workload: BraidWorkload,
                         f"{args.compare_dp_linear!r}")
     for mode in modes:
         timed(workload, prompts, min(args.output_len, 4), 0, dp_linear=mode)  # warm-up
-    best = {mode: [float("inf"), float("inf")] for mode in modes}
-    for _ in range(args.repeat):
-        for mode in modes:
-            result = workload.run(prompts, args.output_len, dp_linear=mode)
-            decode = statistics.median(result.decode_latencies or [float("inf")])
-            best[mode] = [min(best[mode][0], result.prefill_latency), min(best[mode][1], decode)]
+    best = fastest_by_mode(workload, prompts, args.output_len, args.repeat, "dp_linear", modes)
     bs, tokens = args.batch_size, args.batch_size * args.input_len
     first = modes[0]
     print(f"\nDP linear: tp={args.tp} comm={args.comm} dtype={args.dtype} batch_size={bs} "

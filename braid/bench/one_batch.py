@@ -39,8 +39,13 @@ class BenchResult:
     prefill_latency: float
     decode_latencies: list[float]
 
+    def latencies(self) -> tuple[float, float]:
+        """(prefill latency, median decode-step latency, 0 without decode steps)."""
+        decode = statistics.median(self.decode_latencies) if self.decode_latencies else 0.0
+        return self.prefill_latency, decode
+
     def row(self, batch_size: int, input_len: int, output_len: int) -> dict:
-        median = statistics.median(self.decode_latencies) if self.decode_latencies else 0.0
+        median = self.latencies()[1]
         total = self.prefill_latency + sum(self.decode_latencies)
         return {
             "prefill_latency": self.prefill_latency,
@@ -197,6 +202,19 @@ def timed(workload, prompts: np.ndarray, output_len: int, warmup: int, **setting
     for _ in range(warmup):
         workload.run(prompts, min(output_len, 4), **settings)
     return workload.run(prompts, output_len, **settings)
+
+
+def fastest_by_mode(workload: BraidWorkload, prompts: np.ndarray, output_len: int,
+                    repeat: int, setting: str, modes: list[str]) -> dict[str, tuple[float, float]]:
+    """Each mode of a per-step `setting` (a `BraidWorkload.run` keyword: overlap, dp_linear)
+    run `repeat` times, the modes alternating so the host's drift hits them alike; per mode the
+    fastest prefill and the fastest median decode step."""
+    best = {mode: (float("inf"), float("inf")) for mode in modes}
+    for _ in range(repeat):
+        for mode in modes:
+            prefill, decode = workload.run(prompts, output_len, **{setting: mode}).latencies()
+            best[mode] = (min(best[mode][0], prefill), min(best[mode][1], decode))
+    return best
 
 
 def base_row(args: argparse.Namespace, **fields) -> dict:

@@ -14,20 +14,15 @@ import argparse
 import numpy as np
 
 from braid.bench.one_batch import (
-    BenchResult,
     BraidWorkload,
     append_rows,
     base_row,
+    fastest_by_mode,
     print_header,
     print_result,
     random_prompts,
     timed,
 )
-
-
-def _latencies(result: BenchResult) -> tuple[float, float]:
-    """(prefill latency, median decode latency)."""
-    return result.prefill_latency, float(np.median(result.decode_latencies or [0.0]))
 
 
 def measure_exposed(args: argparse.Namespace, workload: BraidWorkload,
@@ -41,7 +36,7 @@ def measure_exposed(args: argparse.Namespace, workload: BraidWorkload,
             row = base_row(args, overlap=overlap, skip_comm=skip)
             print_header(row)
             row.update(print_result(result, args.batch_size, args.input_len, args.output_len))
-            timings[overlap, skip] = (_latencies(result), row)
+            timings[overlap, skip] = (result.latencies(), row)
     rows = []
     exposed = {}
     for overlap in ("off", "on"):
@@ -101,12 +96,8 @@ def run_overlap_sweep(args: argparse.Namespace, config) -> list[dict]:
         for bs in sizes:
             prompts = random_prompts(bs, args.input_len, config.vocab_size)
             timed(workload, prompts, min(args.output_len, 4), 1)  # warm this shape up
-            best: dict[str, tuple[float, float]] = {}
-            for _ in range(args.repeat):
-                for mode in ("off", "on", "auto"):
-                    lat = _latencies(workload.run(prompts, args.output_len, overlap=mode))
-                    old = best.get(mode, (float("inf"), float("inf")))
-                    best[mode] = (min(old[0], lat[0]), min(old[1], lat[1]))
+            best = fastest_by_mode(workload, prompts, args.output_len, args.repeat, "overlap",
+                                   ["off", "on", "auto"])
             for kind, i, tokens in (("prefill", 0, bs * args.input_len), ("decode", 1, bs)):
                 points.append({"kind": kind, "batch_size": bs, "tokens": tokens,
                                **{mode: best[mode][i] for mode in ("off", "on", "auto")}})
