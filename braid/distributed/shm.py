@@ -194,7 +194,10 @@ class ShmCommunicator(Communicator):
         if x.numel() * x.element_size() > self.segment.slot_bytes or tracer().enabled:
             return super().all_reduce(x)
         # One slot, synchronous: the shortest path, for the many small reduces of decode.
-        op = self._post(x)
+        return self._sum_slot(self._post(x), x)
+
+    def _sum_slot(self, op: int, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of one posted slot-sized operation `op` shaped like `x`."""
         out = _sum(self._arrived(op, x.dtype, [tuple(x.shape)] * self.world_size))
         self._release(op)
         return out
@@ -202,13 +205,7 @@ class ShmCommunicator(Communicator):
     def _start_all_reduce(self, x: torch.Tensor) -> Handle:
         if x.numel() * x.element_size() <= self.segment.slot_bytes:
             op = self._post(x)
-
-            def finish_one() -> torch.Tensor:
-                out = _sum(self._arrived(op, x.dtype, [tuple(x.shape)] * self.world_size))
-                self._release(op)
-                return out
-
-            return Handle(finish_one)
+            return Handle(lambda: self._sum_slot(op, x))
         flat = x.contiguous().view(-1)
         step = self._chunk_elems(x.dtype)
         out = torch.empty_like(flat)
