@@ -1,4 +1,5 @@
-"""Command line: `braid generate`, `braid bench-one-batch`, `braid bench-comm`."""
+"""Command line: `braid generate | serve | bench-one-batch | bench-comm | bench-dp-linear |
+make-random-model`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from braid.config import (
     SWITCH_CHOICES,
     EngineConfig,
     UserError,
+    default_model_path,
 )
 
 
@@ -35,8 +37,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="turn collectives into no-ops (wrong outputs; timing only)")
     parser.add_argument("--max-total-tokens", type=int, default=32768,
                         help="KV cache capacity in tokens")
-    parser.add_argument("--max-prefill-tokens", type=int, default=8192,
-                        help="token budget of one prefill step; longer prompts are chunked")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget of one step: running decodes first, then prompt "
+                             "chunks (longer prompts are prefilled over several steps); "
+                             "default 2048 on CPU, 8192 on CUDA")
+    parser.add_argument("--max-running-requests", type=int,
+                        default=EngineConfig.max_running_requests,
+                        help="most sequences decoding at once")
+    parser.add_argument("--no-prefix-cache", dest="prefix_caching", action="store_false",
+                        help="do not share the KV blocks of prompts that start alike")
     parser.add_argument("--overlap", choices=SWITCH_CHOICES, default="auto",
                         help="two-batch overlap: on, off, or auto (on from --overlap-min-tokens)")
     parser.add_argument("--overlap-min-tokens", type=int, default=EngineConfig.overlap_min_tokens,
@@ -63,7 +72,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """`LLM` keyword arguments from the engine flags."""
     return dict(model=args.model, tp=args.tp, dtype=args.dtype, comm=args.comm,
                 comm_timeout_s=args.comm_timeout, skip_comm=args.skip_comm,
-                max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
+                max_total_tokens=args.max_total_tokens,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_running_requests=args.max_running_requests,
+                prefix_caching=args.prefix_caching,
                 overlap=args.overlap, overlap_min_tokens=args.overlap_min_tokens,
                 tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
                 dp_linear=args.dp_linear, dp_linear_min_tokens=args.dp_linear_min_tokens,
@@ -84,6 +96,21 @@ def cmd_generate(args: argparse.Namespace) -> None:
                               "token_ids": out.token_ids}), flush=True)
         else:
             print(out.text.strip() if len(outputs) == 1 else f"[{out.prompt}] {out.text.strip()}")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from braid.server.async_engine import EngineDead
+    from braid.server.serve import ServeSettings, run_server
+
+    settings = ServeSettings(host=args.host, port=args.port,
+                             served_model_name=args.served_model_name, api_key=args.api_key,
+                             log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
+    config = EngineConfig(**{**engine_kwargs(args), "model": args.model or default_model_path()})
+    try:
+        return run_server(config, settings)
+    except EngineDead as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def cmd_bench_one_batch(args: argparse.Namespace) -> None:
@@ -128,6 +155,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object per prompt: prompt, text, token_ids")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1: this host only)")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model's name in the API (default: the checkpoint's name)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
+                       help="on SIGINT/SIGTERM, seconds in-flight requests get to finish "
+                            "before they are aborted")
+    serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench-one-batch",
                            help="latency of one static batch: prefill, then decode steps")
@@ -207,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
             run_torchrun_worker(worker_main)
             return 0
-        args.func(args)
+        return args.func(args) or 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -216,7 +259,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
 if __name__ == "__main__":

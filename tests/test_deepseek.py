@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy
+from engine_utils import RunnerExecutor, run_requests
 from test_hf_parity import check_logits
 
 from braid import LLM, SamplingParams
 from braid.config import EngineConfig, load_model_config
 from braid.distributed.comm import SkipCommunicator
-from braid.engine.kv_cache import BlockAllocator
+from braid.engine.core import EngineCore
 from braid.engine.model_runner import ModelRunner
-from braid.engine.request import Sequence
-from braid.engine.scheduler import Scheduler
 from braid.random_model import make_random_model
 
 GREEDY_STEPS = 32
@@ -56,7 +55,7 @@ def deepseek_reference(deepseek_folders, deepseek_prompts):
 
 def greedy(llm: LLM, prompts, steps: int = 8, **settings) -> list[list[int]]:
     for name, value in settings.items():
-        setattr(llm, name, value)
+        setattr(llm.policy, name, value)
     params = SamplingParams(max_new_tokens=steps, temperature=0, ignore_eos=True)
     return [out.token_ids for out in llm.generate(prompts, params)]
 
@@ -69,8 +68,9 @@ def greedy(llm: LLM, prompts, steps: int = 8, **settings) -> list[list[int]]:
 def test_deepseek_matches_transformers(arch, tp, comm, deepseek_folders, deepseek_prompts,
                                        deepseek_reference):
     ref_logits, ref_greedy = deepseek_reference[arch]
+    # No prefix cache: every run of a prompt prefills all of it (the DP linear's token counts).
     with LLM(deepseek_folders[arch], tp=tp, dtype="fp32", comm=comm, dp_linear="off",
-             overlap="off") as llm:
+             overlap="off", prefix_caching=False) as llm:
         check_logits(llm.prompt_logits(deepseek_prompts), ref_logits)
         # Batched prefill, then decode steps in the absorbed form.
         assert greedy(llm, deepseek_prompts, GREEDY_STEPS) == ref_greedy
@@ -82,7 +82,7 @@ def test_deepseek_matches_transformers(arch, tp, comm, deepseek_folders, deepsee
             prompt = [rng.integers(0, 49152, count).tolist()]
             off = greedy(llm, prompt, dp_linear="off")
             assert greedy(llm, prompt, dp_linear="on") == off, f"{count} tokens"
-        llm.dp_linear = "on"
+        llm.policy.dp_linear = "on"
         check_logits(llm.prompt_logits(deepseek_prompts), ref_logits)
 
         # Two-batch overlap, with and without the DP linear's all-gather in the stages.
@@ -102,30 +102,37 @@ def logits_in_mode(runner, plan, mode: str) -> torch.Tensor:
     for layer in runner.model.model.layers:
         layer.self_attn.attn.mode = mode
     try:
-        return runner.step(replace(plan, sampling=None, return_logits="all")).logits
+        return runner.step(replace(plan, logit_rows=None, sampling=None, prompt_logprobs=None,
+                                   return_logits=True)).logits
     finally:
         for layer in runner.model.model.layers:
             layer.self_attn.attn.mode = "auto"
+
+
+class BothAttentionModes(RunnerExecutor):
+    """Runs each step's plan expanded and absorbed and compares them, then runs it for real."""
+
+    kinds: set[str] = set()
+
+    def step(self, plan):
+        expanded = logits_in_mode(self.runner, plan, "expanded")
+        absorbed = logits_in_mode(self.runner, plan, "absorbed")
+        assert torch.equal(expanded.argmax(-1), absorbed.argmax(-1))
+        assert (expanded - absorbed).abs().max().item() <= 1e-4
+        self.kinds.add("decode" if (plan.q_lens == 1).all() else "prefill")
+        return self.runner.step(plan)
 
 
 def test_absorbed_attention_equals_expanded(v3_runner, deepseek_prompts):
     """Decode steps (absorbed by default) and chunked prefill with a cached prefix (expanded by
     default), each run both ways on the same plan; rerunning a step rewrites the same cache
     slots with the same latents."""
-    scheduler = Scheduler(BlockAllocator(4096, 16), 16, 64, set(), 8192)
-    for i, p in enumerate(deepseek_prompts):
-        scheduler.add(Sequence(i, list(p), SamplingParams(temperature=0, ignore_eos=True,
-                                                          max_new_tokens=4)))
-    kinds = set()
-    while scheduler.has_work:
-        plan, batch = scheduler.schedule()
-        expanded = logits_in_mode(v3_runner, plan, "expanded")
-        absorbed = logits_in_mode(v3_runner, plan, "absorbed")
-        assert torch.equal(expanded.argmax(-1), absorbed.argmax(-1))
-        assert (expanded - absorbed).abs().max().item() <= 1e-4
-        kinds.add("decode" if (plan.q_lens == 1).all() else "prefill")
-        scheduler.commit(batch, v3_runner.step(plan).next_tokens)
-    assert kinds == {"decode", "prefill"}
+    config = EngineConfig(model=v3_runner.engine.model, dtype="fp32", max_total_tokens=4096,
+                          max_num_batched_tokens=16)
+    executor = BothAttentionModes(v3_runner)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=4)
+    run_requests(EngineCore(config, v3_runner.config, executor), deepseek_prompts, params)
+    assert executor.kinds == {"decode", "prefill"}
 
 
 @pytest.mark.parametrize("method,scoring,norm", [

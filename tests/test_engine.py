@@ -1,19 +1,19 @@
-"""Scheduler, paged KV cache and sampler, on the real model in this process (one rank)."""
+"""Engine core, paged KV cache, prefix cache and sampler, on the real model in this process."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from engine_utils import RunnerExecutor, run_requests
 
-from braid.config import EngineConfig, load_model_config
+from braid.config import EngineConfig, UserError, load_model_config
 from braid.distributed.comm import SkipCommunicator
-from braid.engine.batch import SamplingBatch
-from braid.engine.kv_cache import BlockAllocator
+from braid.engine.batch import Penalty, SamplingBatch
+from braid.engine.core import EngineCore
 from braid.engine.model_runner import ModelRunner
-from braid.engine.request import SamplingParams, Sequence
-from braid.engine.sampler import sample
-from braid.engine.scheduler import Scheduler
+from braid.engine.request import Request, SamplingParams
+from braid.engine.sampler import sample, token_logprobs
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
@@ -24,20 +24,17 @@ def runner(model_path):
     return ModelRunner(engine, load_model_config(model_path), SkipCommunicator(0, 1))
 
 
-def generate(runner, prompts, params=GREEDY, max_total_tokens=4096, max_prefill_tokens=8192):
-    """Run prompts to completion through a fresh scheduler; return outputs and the scheduler."""
-    allocator = BlockAllocator(max_total_tokens, runner.engine.block_size)
-    scheduler = Scheduler(allocator, max_prefill_tokens, 64, {2}, 8192)
-    seqs = [Sequence(i, list(p), params) for i, p in enumerate(prompts)]
-    for seq in seqs:
-        scheduler.add(seq)
-    scheduler.steps = 0
-    while scheduler.has_work:
-        plan, batch = scheduler.schedule()
-        scheduler.commit(batch, runner.step(plan).next_tokens)
-        scheduler.steps += 1
-    assert allocator.num_free == allocator.num_blocks - 1, "blocks leaked"
-    return [s.output_ids for s in seqs], scheduler
+def make_core(runner, **engine_args) -> EngineCore:
+    """A fresh engine core (its own scheduler and prefix cache) over the shared runner."""
+    config = EngineConfig(model=runner.engine.model, dtype="fp32",
+                          **{"max_total_tokens": 4096, **engine_args})
+    return EngineCore(config, runner.config, RunnerExecutor(runner))
+
+
+def generate(runner, prompts, params=GREEDY, **engine_args):
+    """Run prompts to completion through a fresh engine core; return outputs and the core."""
+    core = make_core(runner, **engine_args)
+    return run_requests(core, prompts, params, eos=2), core
 
 
 @pytest.fixture(scope="module")
@@ -49,62 +46,146 @@ def test_batched_equals_one_at_a_time(runner, prompt_ids, reference):
     alone = [generate(runner, [p])[0][0] for p in prompt_ids]
     assert alone == reference
     # All four prompts fit one prefill step, then every step decodes all of them.
-    assert generate(runner, prompt_ids)[1].steps == GREEDY.max_new_tokens
+    assert generate(runner, prompt_ids)[1].num_steps == GREEDY.max_new_tokens
 
 
 def test_chunked_prefill_attends_to_the_cached_prefix(runner, prompt_ids, reference):
     # A 7-token budget cuts the longer prompts into chunks; each chunk reads the earlier ones'
     # KV from the paged cache.
-    outputs, scheduler = generate(runner, prompt_ids, max_prefill_tokens=7)
+    outputs, core = generate(runner, prompt_ids, max_num_batched_tokens=7)
     assert outputs == reference
-    assert scheduler.steps > len(reference[0]) + 4  # the chunks really happened
+    assert core.num_steps > len(reference[0]) + 4  # the chunks really happened
 
 
 def test_preemption_under_a_small_cache_loses_nothing(runner, prompt_ids):
-    # Three 14-token prompts fit in 4 blocks of 16 at first, but grow to 2 blocks each while
-    # decoding: someone must be preempted and recomputed later.
+    # Three 14-token prompts fit 4 blocks of 16 at first; generating 40 tokens each, they grow
+    # to 4 blocks apiece: someone must be preempted and recomputed later.
     prompts = [prompt_ids[3][i:i + 14] for i in range(3)]
-    alone = [generate(runner, [p])[0][0] for p in prompts]
-    outputs, scheduler = generate(runner, prompts, max_total_tokens=64)
-    assert scheduler.num_preemptions > 0
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    alone = [generate(runner, [p], params)[0][0] for p in prompts]
+    outputs, core = generate(runner, prompts, params, max_total_tokens=64)
+    assert core.scheduler.num_preemptions > 0
     assert outputs == alone
 
 
-def test_prompt_too_large_for_the_cache_is_refused(runner):
-    with pytest.raises(MemoryError, match="--max-total-tokens"):
-        generate(runner, [[1] * 100], max_total_tokens=64)
+def test_request_too_large_for_the_cache_is_refused_and_the_engine_goes_on(runner, prompt_ids):
+    # The case that used to preempt itself and break the engine: prompt + max_new_tokens
+    # exceeds the 64-token cache.
+    core = make_core(runner, max_total_tokens=64)
+    too_long = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    with pytest.raises(UserError, match="exceeds the KV cache .*--max-total-tokens"):
+        core.add(Request("big", [1] * 40, too_long))
+    assert run_requests(core, [prompt_ids[1]], GREEDY, eos=2)[0]
+    assert not core.has_work
 
 
-def sampling_batch(n, temperature=1.0, top_k=0, top_p=1.0, seed=None, position=0):
+def test_prefix_cache_computes_only_the_new_blocks(runner, tokenizer):
+    """The same 5-shot prefix twice: the second prefill computes only the blocks after the
+    shared ones, and the next-token distribution is the one computed from scratch."""
+    shots = "".join(f"Question: What is {a} plus {b}?\nAnswer: {a + b}\n\n"
+                    for a, b in [(2, 3), (7, 5), (10, 4), (6, 6), (9, 8)])
+    first = tokenizer(shots + "Question: What is 3 plus 4?\nAnswer:")["input_ids"]
+    second = tokenizer(shots + "Question: What is 8 plus 1?\nAnswer:")["input_ids"]
+    params = SamplingParams(max_new_tokens=1, temperature=0, logprobs=20)
+    core = make_core(runner)
+    cold = make_core(runner, prefix_caching=False)
+
+    def first_token(core, prompt):
+        core.add(Request("q", prompt, params))
+        (delta,) = core.step()
+        assert not core.has_work
+        return delta
+
+    first_token(core, first)
+    tokens_before = core.scheduler.prefix_hits
+    warm = first_token(core, second)
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b) // 16 * 16
+    assert shared >= 48
+    assert core.scheduler.prefix_hits - tokens_before == shared
+    assert warm.num_cached_tokens == shared
+    reference = first_token(cold, second)
+    assert reference.num_cached_tokens == 0
+    assert warm.new_token_ids == reference.new_token_ids
+    (warm_lp,), (ref_lp,) = warm.logprobs, reference.logprobs
+    assert [t for t, _ in warm_lp.top] == [t for t, _ in ref_lp.top]
+    assert np.allclose([v for _, v in warm_lp.top], [v for _, v in ref_lp.top], atol=1e-4)
+
+
+def sampling_batch(n, temperature=1.0, top_k=0, top_p=1.0, seed=None, position=0, min_p=0.0,
+                   penalties=None, banned=()):
     return SamplingBatch(np.full(n, temperature, np.float32), np.full(n, top_k, np.int64),
-                         np.full(n, top_p, np.float32), [seed] * n, np.full(n, position))
+                         np.full(n, top_p, np.float32), np.full(n, min_p, np.float32),
+                         [seed] * n, np.full(n, position), np.full(n, -1),
+                         penalties or [None] * n, [banned] * n)
 
 
-def test_sampler_greedy_topk1_and_tiny_topp_pick_the_argmax():
+def draw(logits, batch, gen) -> list[int]:
+    tokens, errors = sample(logits, batch, gen)
+    assert not errors
+    return tokens
+
+
+def test_sampler_greedy_topk1_tiny_topp_and_high_minp_pick_the_argmax():
     logits = torch.randn(6, 100)
     gen = torch.Generator().manual_seed(0)
-    argmax = logits.argmax(-1)
-    assert torch.equal(sample(logits, sampling_batch(6, temperature=0), gen), argmax)
-    assert torch.equal(sample(logits, sampling_batch(6, top_k=1), gen), argmax)
-    assert torch.equal(sample(logits, sampling_batch(6, top_p=1e-6), gen), argmax)
+    argmax = logits.argmax(-1).tolist()
+    assert draw(logits, sampling_batch(6, temperature=0), gen) == argmax
+    assert draw(logits, sampling_batch(6, top_k=1), gen) == argmax
+    assert draw(logits, sampling_batch(6, top_p=1e-6), gen) == argmax
+    assert draw(logits, sampling_batch(6, min_p=1.0), gen) == argmax
 
 
-def test_sampler_respects_top_k_and_seeds():
+def test_sampler_respects_top_k_min_p_and_seeds():
     logits = torch.zeros(1, 50)
     logits[0, :5] = 10.0  # five equally likely tokens
     gen = torch.Generator().manual_seed(0)
-    draws = {int(sample(logits, sampling_batch(1, top_k=3), gen)[0]) for _ in range(60)}
+    draws = {draw(logits, sampling_batch(1, top_k=3), gen)[0] for _ in range(60)}
     assert draws <= {0, 1, 2, 3, 4} and len(draws) <= 3
-    seeded = [int(sample(logits, sampling_batch(1, seed=7, position=p), gen)[0])
-              for p in range(20)]
-    again = [int(sample(logits, sampling_batch(1, seed=7, position=p), gen)[0])
-             for p in range(20)]
+    logits[0, 5:10] = 8.0  # 7x less likely than the first five
+    draws = {draw(logits, sampling_batch(1, min_p=0.2), gen)[0] for _ in range(100)}
+    assert draws == {0, 1, 2, 3, 4}
+    seeded = [draw(logits, sampling_batch(1, seed=7, position=p), gen)[0] for p in range(20)]
+    again = [draw(logits, sampling_batch(1, seed=7, position=p), gen)[0] for p in range(20)]
     assert seeded == again and len(set(seeded)) > 1
+    huge = [draw(logits, sampling_batch(1, seed=(1 << 63) - 1, position=p), gen)[0]
+            for p in range(3)]
+    assert len(huge) == 3
 
 
 def test_sampler_distribution_follows_temperature():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     gen = torch.Generator().manual_seed(1)
-    counts = np.bincount([int(sample(logits, sampling_batch(1), gen)[0]) for _ in range(2000)],
+    counts = np.bincount([draw(logits, sampling_batch(1), gen)[0] for _ in range(2000)],
                          minlength=3) / 2000
     assert np.allclose(counts, [0.7, 0.2, 0.1], atol=0.04)
+
+
+def test_sampler_penalties_and_banned_tokens():
+    gen = torch.Generator()
+    logits = torch.tensor([[4.0, 3.0, 2.0, -1.0]])
+    # Token 0 was generated twice: frequency 0.8 x 2 + presence 0.5 puts it below token 1.
+    penalty = Penalty(1.0, 0.5, 0.8, np.array([3]), np.array([0, 0]))
+    assert draw(logits, sampling_batch(1, temperature=0, penalties=[penalty]), gen) == [1]
+    # Repetition 2 halves positive logits of seen tokens (prompt and output): 4 -> 2 < 3.
+    penalty = Penalty(2.0, 0.0, 0.0, np.array([0]), np.array([], dtype=np.int64))
+    assert draw(logits, sampling_batch(1, temperature=0, penalties=[penalty]), gen) == [1]
+    assert draw(logits, sampling_batch(1, temperature=0, banned=(0, 1)), gen) == [2]
+
+
+def test_a_row_with_nan_logits_fails_alone():
+    logits = torch.randn(3, 20)
+    logits[1] = float("nan")
+    for temperature in (0.0, 1.0):
+        tokens, errors = sample(logits, sampling_batch(3, temperature=temperature),
+                                torch.Generator())
+        assert tokens[1] is None and "NaN" in errors[1]
+        assert tokens[0] is not None and tokens[2] is not None and set(errors) == {1}
+
+
+def test_logprobs_are_the_log_softmax_of_the_raw_logits():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    (entry,) = token_logprobs(logits, [2], [2])
+    expected = torch.log_softmax(logits, -1)[0]
+    assert entry.token_id == 2 and abs(entry.logprob - expected[2].item()) < 1e-6
+    assert [t for t, _ in entry.top] == [1, 2]
+    assert token_logprobs(logits, [2], [-1]) == [None]

@@ -12,12 +12,12 @@ TOLERANCE = 2e-3
 
 
 def logits_with(llm: LLM, overlap: str, prompts) -> list[torch.Tensor]:
-    llm.overlap = overlap
+    llm.policy.overlap = overlap
     return llm.prompt_logits(prompts)
 
 
 def greedy_with(llm: LLM, overlap: str, prompts) -> list[list[int]]:
-    llm.overlap = overlap
+    llm.policy.overlap = overlap
     params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
     return [out.token_ids for out in llm.generate(prompts, params)]
 
@@ -27,7 +27,8 @@ def test_overlap_on_equals_off(tp, comm, model_path, prompt_ids):
     mixed = prompt_ids  # lengths 1..~50: the long prompt is cut in two
     balanced = [prompt_ids[2], prompt_ids[2][::-1]]  # cut between the two sequences
     single = [prompt_ids[3]]  # one prompt: two-chunk
-    with LLM(model_path, tp=tp, dtype="fp32", comm=comm) as llm:
+    # No prefix cache: the second run of the prompts prefills them in full, as the first did.
+    with LLM(model_path, tp=tp, dtype="fp32", comm=comm, prefix_caching=False) as llm:
         for prompts in (mixed, balanced, single):
             on, off = logits_with(llm, "on", prompts), logits_with(llm, "off", prompts)
             for a, b in zip(on, off):
@@ -39,15 +40,16 @@ def test_overlap_on_equals_off(tp, comm, model_path, prompt_ids):
 
 def test_the_cases_really_split(prompt_ids):
     """Guards the test above: its batches do take the split paths it claims to cover."""
-    from braid.engine.kv_cache import BlockAllocator
+    from braid.engine.kv_cache import BlockManager
+    from braid.engine.plan import build_plan
     from braid.engine.request import Sequence
     from braid.engine.scheduler import Scheduler
 
     def plan_for(prompts):
-        scheduler = Scheduler(BlockAllocator(4096, 16), 8192, 64, {2}, 8192)
+        scheduler = Scheduler(BlockManager(4096, 16), 8192, 64, 8192)
         for i, p in enumerate(prompts):
-            scheduler.add(Sequence(i, list(p), SamplingParams(temperature=0)))
-        return scheduler.schedule()[0]
+            scheduler.add(Sequence(i, str(i), 0, list(p), SamplingParams(temperature=0)))
+        return build_plan(scheduler.schedule(), 16, 0)[0]
 
     assert split_step(plan_for(prompt_ids)).a_ends_mid_sequence
     assert not split_step(plan_for([prompt_ids[2], prompt_ids[2][::-1]])).a_ends_mid_sequence

@@ -89,25 +89,27 @@ class BraidWorkload:
         from braid.engine.llm import LLM
 
         kwargs = engine_kwargs(args)
+        # The whole batch prefills in one step, as in SGLang's bench_one_batch; no prefix
+        # cache, so repeated runs of the same prompts compute them again.
         kwargs.update(
             max_total_tokens=max(args.max_total_tokens, max_batch * (max_input + max_output + 16)),
-            max_prefill_tokens=max(args.max_prefill_tokens, max_batch * max_input),
-            max_running_requests=max_batch)
+            max_num_batched_tokens=max(args.max_num_batched_tokens or 0, max_batch * max_input),
+            max_running_requests=max_batch, prefix_caching=False)
         self.llm = LLM(**kwargs)
 
     def run(self, prompts: np.ndarray, output_len: int, overlap: str | None = None,
             skip_comm: bool | None = None, dp_linear: str | None = None) -> BenchResult:
         from braid.engine.request import SamplingParams
 
-        config = self.llm.config
-        self.llm.overlap = overlap or config.overlap
-        self.llm.skip_comm = config.skip_comm if skip_comm is None else skip_comm
-        self.llm.dp_linear = dp_linear or config.dp_linear
+        config, policy = self.llm.config, self.llm.policy
+        policy.overlap = overlap or config.overlap
+        policy.skip_comm = config.skip_comm if skip_comm is None else skip_comm
+        policy.dp_linear = dp_linear or config.dp_linear
         params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
         for ids in prompts:
             self.llm.add_request(ids.tolist(), params)
         result = time_steps(self.llm.step, self.llm.step, output_len)
-        assert not self.llm.scheduler.has_work
+        assert not self.llm.has_work
         return result
 
     def close(self) -> None:

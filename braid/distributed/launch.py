@@ -9,10 +9,10 @@ a launch never hangs on a dead peer.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import traceback
 import warnings
@@ -44,17 +44,28 @@ def cores_for_rank(rank: int, world_size: int, cores: list[int]) -> list[int]:
     return [cores[(start + i) % len(cores)] for i in range(per_rank)]
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process if the driver dies, even by SIGKILL."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def exit_with_parent(poll_s: float = 0.2) -> None:
+    """End this process soon after the process that started it dies, even by SIGKILL.
+
+    A watcher thread, not Linux's parent-death signal: that signal fires when the *thread*
+    that started the child exits, so ranks launched from a short-lived thread (a server's
+    worker, a test helper) would die with it.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="braid-parent-watch", daemon=True).start()
 
 
 def _rank_entry(target: Callable, rank: int, world_size: int, store_port: int,
                 cores: list[int], conn: Connection, args: tuple) -> None:
-    _die_with_parent()
+    exit_with_parent()
+    # Ctrl-C reaches the whole process group: the driver decides when ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import torch
         import torch.distributed as dist
@@ -150,6 +161,11 @@ class RankGroup:
         if kind == "error":
             self._fail({rank: value})
         return value
+
+    def check_alive(self) -> None:
+        """Raise `RankFailure` if a rank has died (for a driver that is not waiting on one)."""
+        if any(p.exitcode is not None for p in self.procs):
+            self._fail()
 
     def gather(self, timeout: float | None = None) -> list[object]:
         """One answer from every rank, in rank order."""
@@ -280,8 +296,6 @@ class TorchrunGroup:
 
     def __init__(self, world_size: int, target: Callable, args: tuple = (),
                  cleanup: Callable[[], None] | None = None) -> None:
-        import threading
-
         rank, launched = torchrun_rank()
         if rank != 0:
             raise RuntimeError("only torchrun's rank 0 drives; others run run_torchrun_worker")
@@ -319,6 +333,10 @@ class TorchrunGroup:
         if kind == "error":
             raise RankFailure(f"rank 0 failed:\n{value}")
         return value
+
+    def check_alive(self) -> None:
+        if not self._thread.is_alive():
+            raise RankFailure("rank 0 stopped unexpectedly")
 
     def gather(self, timeout: float | None = None) -> list[object]:
         """Rank 0's answer (other ranks report to torchrun, which stops the job on failure)."""

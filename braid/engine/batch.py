@@ -7,16 +7,44 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from braid.engine.request import TokenLogprob
+
+
+@dataclass
+class Penalty:
+    """A sampling row's repetition, presence and frequency penalties and the token history
+    they apply to (repetition: prompt and output; presence and frequency: output only)."""
+
+    repetition: float
+    presence: float
+    frequency: float
+    prompt_ids: np.ndarray  # [P] int64, unique
+    output_ids: np.ndarray  # [O] int64
+
 
 @dataclass
 class SamplingBatch:
-    """Per-sequence sampling parameters of one step (rank 0 samples)."""
+    """Per-row sampling parameters of one step (rank 0 samples), one row per sequence that
+    gets a new token."""
 
-    temperatures: np.ndarray  # [B] float32; 0 means greedy
-    top_ks: np.ndarray  # [B] int64; 0 means no limit
-    top_ps: np.ndarray  # [B] float32
+    temperatures: np.ndarray  # [S] float32; 0 means greedy
+    top_ks: np.ndarray  # [S] int64; 0 means no limit
+    top_ps: np.ndarray  # [S] float32
+    min_ps: np.ndarray  # [S] float32
     seeds: list[int | None]  # per-sequence seed, combined with the output position
-    output_positions: np.ndarray  # [B] index of the token being sampled within its output
+    output_positions: np.ndarray  # [S] index of the token being sampled within its output
+    num_logprobs: np.ndarray  # [S] int64: top alternatives to report, -1 for no logprobs
+    penalties: list[Penalty | None]
+    banned: list[tuple[int, ...]]  # tokens that may not be sampled (EOS before min_tokens)
+
+
+@dataclass
+class PromptLogprobRows:
+    """Logit rows whose logprob of the next prompt token is reported (echo, scoring)."""
+
+    rows: np.ndarray  # [P] indices into the step's logit rows
+    targets: np.ndarray  # [P] the prompt token that follows each row's position
+    num_logprobs: np.ndarray  # [P] top alternatives to report
 
 
 @dataclass
@@ -24,7 +52,9 @@ class StepPlan:
     """One forward step, decided by the scheduler and sent to every rank.
 
     Tokens of all sequences are concatenated: sequence b contributes `q_lens[b]` new tokens and
-    attends to `kv_lens[b]` tokens (its cached prefix plus the new ones).
+    attends to `kv_lens[b]` tokens (its cached prefix plus the new ones). Logits are computed
+    only at `logit_rows` (token indices, ascending; None: at every token); `sample_rows` picks
+    from those the rows that get a new token.
     """
 
     input_ids: np.ndarray  # [T] int64
@@ -33,8 +63,12 @@ class StepPlan:
     q_lens: np.ndarray  # [B] int64
     kv_lens: np.ndarray  # [B] int64
     block_tables: np.ndarray  # [B, max_blocks] int64, padded with 0
+    logit_rows: np.ndarray | None = None  # [R] int64
+    sample_rows: np.ndarray | None = None  # [S] int64 indices into the logit rows
     sampling: SamplingBatch | None = None
-    return_logits: str = "none"  # "none" | "last" (one row per sequence) | "all" (every token)
+    prompt_logprobs: PromptLogprobRows | None = None
+    step_id: int = 0  # rank 0's answer carries it back
+    return_logits: bool = False  # send the fp32 logits of the logit rows back (validation)
     overlap: bool = False  # run as two overlapped micro-batches (the driver decides)
     skip_comm: bool = False  # collectives as no-ops for this step (timing only)
     dp_linear: bool = False  # replicated projections split over tokens (DataParallelLinear)
@@ -42,6 +76,19 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass
+class StepResult:
+    """Rank 0's answer to a step: the sampled token of each sampling row (None where sampling
+    failed; `errors` says why, by row), logprobs where asked, and the logits if asked."""
+
+    step_id: int
+    tokens: list[int | None] | None = None
+    errors: dict[int, str] | None = None
+    logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -100,6 +147,5 @@ class ForwardBatch:
         self.slot_mapping = torch.from_numpy(plan.slot_mapping).to(device)
         self.attn = build_attention_metadata(plan, block_size, device)
         self.dp_linear = plan.dp_linear
-        # Logits of each sequence's last token, unless logits of every token are asked.
-        self.logits_index = (None if plan.return_logits == "all"
-                             else torch.from_numpy(np.cumsum(plan.q_lens) - 1).to(device))
+        self.logits_index = (None if plan.logit_rows is None
+                             else torch.from_numpy(plan.logit_rows).to(device))

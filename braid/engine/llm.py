@@ -3,28 +3,35 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import replace
 from itertools import count
 
 import torch
 
 from braid.config import (
     EngineConfig,
+    ModelConfig,
     UserError,
-    auto_switch,
     default_model_path,
     load_model_config,
 )
-from braid.distributed.launch import launch_ranks
-from braid.distributed.shm import ShmSegment, activation_slot_bytes
-from braid.engine.batch import StepPlan
-from braid.engine.kv_cache import BlockAllocator
-from braid.engine.model_runner import StepResult
-from braid.engine.request import RequestOutput, SamplingParams, Sequence
-from braid.engine.scheduler import Scheduler
+from braid.engine.core import EngineCore, RankExecutor, StepPolicy
+from braid.engine.output import CompletionState
+from braid.engine.request import (
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    SequenceDelta,
+)
 from braid.engine.tokenizer import apply_chat_template, load_tokenizer
-from braid.engine.worker import worker_main
-from braid.models.registry import model_class
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer) -> frozenset[int]:
+    """End-of-sequence ids: the checkpoint's and the tokenizer's."""
+    eos = set(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return frozenset(eos)
 
 
 class LLM:
@@ -32,7 +39,8 @@ class LLM:
 
     `dtype="auto"` picks bf16 where the hardware computes it natively, else fp32.
     Keyword arguments beyond `model`, `tp` and `dtype` are `EngineConfig` fields
-    (`max_total_tokens`, `comm`, `skip_comm`, ...). Use as a context manager or call `close()`.
+    (`max_total_tokens`, `max_num_batched_tokens`, `prefix_caching`, `comm`, ...). Use as a
+    context manager or call `close()`.
     """
 
     def __init__(self, model: str | None = None, tp: int = 1, dtype: str = "auto",
@@ -40,40 +48,16 @@ class LLM:
         self.config = EngineConfig(model=model or default_model_path(), tp=tp, dtype=dtype,
                                    **engine_args)
         self.model_config = load_model_config(self.config.model)
-        # Refuse an unsupported architecture or split before launching.
-        model_class(self.model_config).check_config(self.model_config, tp)
-        segment = None
-        if self.config.comm == "shm" and tp > 1:
-            segment = ShmSegment.create(tp, slot_bytes=activation_slot_bytes(
-                self.config.max_prefill_tokens, self.model_config.widest_activation,
-                self.config.torch_dtype.itemsize))
-        try:
-            self.ranks = launch_ranks(tp, worker_main, (self.config, self.model_config, segment),
-                                      cleanup=segment.unlink if segment else None)
-        except BaseException:
-            if segment is not None:
-                segment.unlink()
-            raise
+        executor = RankExecutor(self.config, self.model_config)
         try:
             self.tokenizer = load_tokenizer(self.config.model)  # while the ranks load weights
-            self.ranks.gather()  # every rank reports ready
+            executor.wait_ready()
         except BaseException:
-            self.ranks.close()
+            executor.close()
             raise
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.allocator = BlockAllocator(self.config.max_total_tokens, self.config.block_size)
-        self.scheduler = Scheduler(self.allocator, self.config.max_prefill_tokens,
-                                   self.config.max_running_requests, eos,
-                                   self.model_config.max_position_embeddings)
+        self.core = EngineCore(self.config, self.model_config, executor)
+        self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self._ids = count()
-        # Per-step policy, changeable between steps (benchmarks compare settings in one launch).
-        self.overlap = self.config.overlap
-        self.overlap_min_tokens = self.config.overlap_min_tokens
-        self.skip_comm = self.config.skip_comm
-        self.dp_linear = self.config.dp_linear
-        self.dp_linear_min_tokens = self.config.dp_linear_min_tokens
 
     def __enter__(self) -> LLM:
         return self
@@ -83,7 +67,16 @@ class LLM:
 
     def close(self) -> None:
         """Stop the rank processes."""
-        self.ranks.close()
+        self.core.close()
+
+    @property
+    def policy(self) -> StepPolicy:
+        """Per-step switches (overlap, DP linear, skip-comm), changeable between steps."""
+        return self.core.policy
+
+    @property
+    def has_work(self) -> bool:
+        return self.core.has_work
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of a prompt: plain `tokenizer(prompt)`, or as a chat turn."""
@@ -91,73 +84,61 @@ class LLM:
             return apply_chat_template(self.tokenizer, prompt)
         return list(self.tokenizer(prompt)["input_ids"])
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue one tokenized request; it runs at the next `step()`."""
-        context = self.model_config.max_position_embeddings
-        if not prompt_ids:
-            raise UserError("a prompt must have at least one token")
-        if len(prompt_ids) >= context:
-            raise UserError(f"prompt of {len(prompt_ids)} tokens does not fit the model's "
-                            f"context of {context} tokens")
-        if len(prompt_ids) + 1 > self.allocator.capacity_tokens:
-            raise UserError(f"prompt of {len(prompt_ids)} tokens exceeds the KV cache "
-                            f"({self.allocator.capacity_tokens} tokens); raise --max-total-tokens")
-        bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise UserError(f"token id {bad[0]} is outside the vocabulary "
-                            f"(0..{self.model_config.vocab_size - 1})")
-        seq = Sequence(next(self._ids), list(prompt_ids), params)
-        self.scheduler.add(seq)
-        return seq
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> str:
+        """Queue one tokenized request (it runs from the next `step()`); its request id."""
+        request_id = str(next(self._ids))
+        self.core.add(Request(request_id, list(prompt_ids), params, self.eos_token_ids))
+        return request_id
 
-    def _run(self, plan: StepPlan) -> StepResult:
-        plan.overlap = auto_switch(self.overlap, plan.num_tokens, self.overlap_min_tokens,
-                                   self.config.tp)
-        plan.skip_comm = self.skip_comm
-        plan.dp_linear = auto_switch(self.dp_linear, plan.num_tokens,
-                                     self.dp_linear_min_tokens, self.config.tp)
-        return self.ranks.request(("step", plan))
-
-    def step(self) -> list[Sequence]:
-        """Run one scheduled forward step on every rank; return the sequences that finished."""
-        plan, batch = self.scheduler.schedule()
-        return self.scheduler.commit(batch, self._run(plan).next_tokens)
+    def step(self) -> list[SequenceDelta]:
+        """Run one scheduled forward step on every rank; the deltas it produced."""
+        return self.core.step()
 
     def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  chat: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (text, or token ids) and return outputs in prompt order."""
+        """Generate for every prompt (text, or token ids) and return outputs in prompt order.
+        All prompts are batched together; a request that cannot run raises `UserError`
+        before anything starts."""
         if isinstance(prompts, str):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Seq) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise UserError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        seqs = []
-        for prompt, p in zip(prompts, params_list):
-            ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
-            seqs.append((prompt if isinstance(prompt, str) else None, self.add_request(ids, p)))
-        while self.scheduler.has_work:
-            self.step()
-        return [
-            RequestOutput(prompt, seq.prompt_ids,
-                          self.tokenizer.decode(seq.output_ids, skip_special_tokens=True),
-                          seq.output_ids, seq.finish_reason)
-            for prompt, seq in seqs
-        ]
+        encoded = [self.encode(p, chat) if isinstance(p, str) else list(p) for p in prompts]
+        for ids, p in zip(encoded, params_list):
+            self.core.check_request(ids, p)
+        states: dict[str, list[CompletionState]] = {}
+        outputs: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, ids, p in zip(prompts, encoded, params_list):
+            request_id = self.add_request(ids, p)
+            order.append(request_id)
+            states[request_id] = [CompletionState(self.tokenizer, ids, p, i) for i in range(p.n)]
+            outputs[request_id] = RequestOutput(prompt if isinstance(prompt, str) else None,
+                                                ids, [])
+        while self.core.has_work:
+            for delta in self.core.step():
+                self._apply(delta, states[delta.request_id], outputs[delta.request_id])
+        for request_id in order:
+            outputs[request_id].outputs = [
+                CompletionOutput(s.index, s.text, s.token_ids, s.finish_reason, s.stop_reason,
+                                 s.logprobs, s.error) for s in states[request_id]]
+        return [outputs[request_id] for request_id in order]
+
+    def _apply(self, delta: SequenceDelta, states: list[CompletionState],
+               output: RequestOutput) -> None:
+        state = states[delta.index]
+        if delta.prompt_logprobs is not None and output.prompt_logprobs is None:
+            output.prompt_logprobs = [None, *delta.prompt_logprobs]
+        if delta.num_prompt_tokens:
+            output.num_cached_tokens = delta.num_cached_tokens
+        was_finished = state.finished
+        state.update(delta)
+        if state.finished and not was_finished and delta.finish_reason is None:
+            self.core.abort(delta.request_id, delta.index)  # a stop string ended it
 
     def prompt_logits(self, prompts: Seq[Seq[int]]) -> list[torch.Tensor]:
         """fp32 logits at every position of each prompt (one batched prefill), for validation."""
-        seqs = [Sequence(next(self._ids), list(p), SamplingParams(max_new_tokens=1))
-                for p in prompts]
-        for seq in seqs:
-            seq.blocks = self.allocator.allocate(
-                self.allocator.blocks_needed(seq.num_tokens, 0))
-            seq.scheduled_tokens = seq.num_tokens
-        try:
-            plan = replace(self.scheduler.build_plan(seqs), sampling=None, return_logits="all")
-            result = self._run(plan)
-        finally:
-            for seq in seqs:
-                self.allocator.free(seq.blocks)
-        return list(result.logits.split([len(p) for p in prompts]))
+        return self.core.prompt_logits([list(p) for p in prompts])

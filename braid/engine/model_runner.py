@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from braid.config import EngineConfig, ModelConfig
 from braid.distributed.comm import SwitchableCommunicator
-from braid.engine.batch import ForwardBatch, StepPlan
-from braid.engine.kv_cache import BlockAllocator
-from braid.engine.sampler import sample
+from braid.engine.batch import ForwardBatch, StepPlan, StepResult
+from braid.engine.kv_cache import num_kv_blocks
+from braid.engine.sampler import postprocess
 from braid.loader.weights import load_weights
 from braid.models.registry import model_class
 from braid.overlap.operations import execute, execute_overlapped
 from braid.overlap.split import split_step
-
-
-@dataclass
-class StepResult:
-    """What rank 0 returns for a step: sampled tokens and, if asked, logits."""
-
-    next_tokens: list[int] | None
-    logits: torch.Tensor | None
 
 
 def checkpoint_weights(model_path: str, config: ModelConfig):
@@ -67,28 +57,24 @@ class ModelRunner:
         self._allocate_kv_cache()
 
     def _allocate_kv_cache(self) -> None:
-        num_blocks = BlockAllocator(self.engine.max_total_tokens, self.engine.block_size).num_blocks
+        num_blocks = num_kv_blocks(self.engine.max_total_tokens, self.engine.block_size)
         for attn in self.model.attention_layers():
             attn.allocate_cache(num_blocks, self.engine.block_size, self.engine.torch_dtype,
                                 self.device)
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult | None:
-        """Run one forward step; rank 0 returns tokens (and logits if asked), others None."""
+        """Run one forward step; rank 0 returns tokens (and logprobs, logits if asked),
+        the other ranks None."""
         self.comm.skip = plan.skip_comm
         logits = self._forward(plan)
         if self.comm.rank != 0:
             return None
-        tokens = None
-        if plan.sampling is not None:
-            rows = logits
-            if plan.return_logits == "all":
-                rows = logits[torch.from_numpy(np.cumsum(plan.q_lens) - 1).to(logits.device)]
-            tokens = sample(rows, plan.sampling, self.generator).tolist()
-        return StepResult(tokens, logits.cpu() if plan.return_logits != "none" else None)
+        return postprocess(logits, plan, self.generator)
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
-        """Logits of the step: one batch straight, or two micro-batches overlapped."""
+        """Logits of the step's logit rows: one batch straight, or two micro-batches
+        overlapped (each computes its share of the rows, A's first)."""
         block_size = self.engine.block_size
         parts = (split_step(plan, self.engine.tbo_token_distribution_threshold)
                  if plan.overlap else None)
@@ -97,7 +83,4 @@ class ModelRunner:
         out_a, out_b = execute_overlapped(self.operations,
                                           ForwardBatch(parts.a, block_size, self.device),
                                           ForwardBatch(parts.b, block_size, self.device))
-        logits_a = out_a["logits"]
-        if parts.a_ends_mid_sequence and plan.return_logits != "all":
-            logits_a = logits_a[:-1]  # A's half of a cut sequence: B has its last token
-        return torch.cat([logits_a, out_b["logits"]])
+        return torch.cat([out_a["logits"], out_b["logits"]])

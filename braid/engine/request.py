@@ -1,46 +1,120 @@
-"""Sampling parameters and the per-request state the scheduler tracks."""
+"""What a request asks for (`SamplingParams`, `Request`), the per-sequence state the scheduler
+tracks (`Sequence`), and what the engine reports back (`SequenceDelta`, `RequestOutput`)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from braid.config import UserError
 
+# Most alternatives per token that `logprobs` may ask for (OpenAI's limit for top_logprobs).
+MAX_LOGPROBS = 20
+_INT64 = 1 << 63
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop (vLLM's defaults: temperature 1, no top-k/top-p)."""
+    """How to pick tokens and when to stop (vLLM's meanings and defaults).
+
+    `logprobs`: the chosen token's logprob plus this many top alternatives per generated token
+    (None: no logprobs); `prompt_logprobs` the same for every prompt token after the first.
+    Logprobs are the model's own (log-softmax of the raw logits, before penalties and
+    temperature). `stop` strings end a completion, and are cut from its text, by whichever
+    front end detokenizes (`LLM`, the server).
+    """
 
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no limit
+    min_p: float = 0.0
     seed: int | None = None
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    n: int = 1
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise UserError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise UserError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        for name in ("stop", "stop_token_ids"):  # lists are welcome; stored as tuples
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        checks = [
+            (self.max_new_tokens >= 1, "max_new_tokens", "at least 1"),
+            (self.temperature >= 0, "temperature", ">= 0"),
+            (0 < self.top_p <= 1, "top_p", "in (0, 1]"),
+            (self.top_k >= 0, "top_k", ">= 0 (0 disables it)"),
+            (0 <= self.min_p <= 1, "min_p", "in [0, 1]"),
+            (self.seed is None or -_INT64 <= self.seed < _INT64, "seed", "a 64-bit integer"),
+            (self.min_tokens >= 0, "min_tokens", ">= 0"),
+            (self.min_tokens <= self.max_new_tokens, "min_tokens", "at most max_new_tokens"),
+            (self.n >= 1, "n", "at least 1"),
+            (self.repetition_penalty > 0, "repetition_penalty", "> 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             "prompt_logprobs", f"in [0, {MAX_LOGPROBS}]"),
+            (all(self.stop), "stop", "non-empty strings"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise UserError(f"{name} must be {rule}, got {getattr(self, name)!r}", name)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the sequence's token history."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
 @dataclass
-class Sequence:
-    """One request being generated: its tokens, KV blocks and progress."""
+class Request:
+    """One tokenized request as the engine core receives it; `n` sequences are generated."""
 
-    rid: int
+    request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()  # the front end's tokenizer knows them
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's logprob and the `top` alternatives (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(eq=False)  # compared by identity: the scheduler's queues hold the objects
+class Sequence:
+    """One of a request's `n` completions: its tokens, KV blocks and progress."""
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
+    block_keys: list[int] = field(default_factory=list)  # prefix-cache keys of full blocks
+    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_computed: int = 0  # tokens whose keys and values are in the cache
+    num_cached_prompt: int = 0  # prompt tokens found in the prefix cache at admission
     scheduled_tokens: int = 0  # tokens the current step computes
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for tokens 1, 2, ...
+    leader: Sequence | None = None  # sibling whose cached prompt this one waits to share
     finish_reason: str | None = None
 
     def token_slice(self, start: int, end: int) -> list[int]:
@@ -56,16 +130,69 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def prompt_done(self) -> bool:
+        """Whether the whole prompt is in the cache (siblings may then share its blocks)."""
+        return self.num_computed >= len(self.prompt_ids)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
 @dataclass
-class RequestOutput:
-    """A finished request: the prompt, the generated text and token ids."""
+class SequenceDelta:
+    """What one step did for one sequence: new tokens (with logprobs if asked), or the end.
 
-    prompt: str | None
-    prompt_token_ids: list[int]
+    `finish_reason` is "stop" (EOS, a stop token or stop string), "length", "abort" or
+    "error" (then `error` says why); `stop_reason` is the stop token id or string.
+    `prompt_logprobs` arrive once, with the first generated token.
+    """
+
+    request_id: str
+    index: int
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    """One finished completion of a request (`error` says why when finish_reason is
+    "error": only this request failed)."""
+
+    index: int
     text: str
     token_ids: list[int]
     finish_reason: str
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A finished request: the prompt and its `n` completions (`text`, `token_ids` and
+    `finish_reason` are the first completion's)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason

@@ -1,41 +1,127 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds."""
+"""What rank 0 does with a step's logits: sampling (greedy, temperature, top-k, top-p, min-p,
+penalties, per-request seeds) and logprobs. A row that cannot be sampled (NaN logits, a failed
+draw) fails alone: its token is None and the error names the cause."""
 
 from __future__ import annotations
 
 import torch
 
-from braid.engine.batch import SamplingBatch
+from braid.engine.batch import Penalty, SamplingBatch, StepPlan, StepResult
+from braid.engine.request import TokenLogprob
 
 _SEED_STRIDE = 1_000_003  # distinct generator seed per (request seed, output position)
 
 
-def sample(logits: torch.Tensor, params: SamplingBatch, generator: torch.Generator) -> torch.Tensor:
-    """Next token per row of `logits` ([B, vocab], fp32).
+def postprocess(logits: torch.Tensor, plan: StepPlan, generator: torch.Generator) -> StepResult:
+    """Rank 0's answer to `plan` from the logits of its logit rows ([R, vocab], fp32)."""
+    result = StepResult(plan.step_id, logits=logits.cpu() if plan.return_logits else None)
+    if plan.sampling is not None:
+        rows = logits[torch.from_numpy(plan.sample_rows).to(logits.device)]
+        result.tokens, result.errors = sample(rows, plan.sampling, generator)
+        if (plan.sampling.num_logprobs >= 0).any():
+            chosen = [t if t is not None else 0 for t in result.tokens]
+            result.logprobs = [
+                None if token is None else entry for token, entry in
+                zip(result.tokens, token_logprobs(rows, chosen, plan.sampling.num_logprobs))]
+    if plan.prompt_logprobs is not None:
+        wanted = plan.prompt_logprobs
+        result.prompt_logprobs = token_logprobs(
+            logits[torch.from_numpy(wanted.rows).to(logits.device)], wanted.targets.tolist(),
+            wanted.num_logprobs)
+    return result
+
+
+def token_logprobs(logits: torch.Tensor, chosen: list[int],
+                   num_logprobs) -> list[TokenLogprob | None]:
+    """Per row: the chosen token's logprob and the top `num_logprobs[row]` alternatives
+    (None for a row asking for none, i.e. -1)."""
+    counts = [int(k) for k in num_logprobs]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    picked = logprobs.gather(1, torch.tensor(chosen, device=logits.device)[:, None])[:, 0]
+    top_k = max(counts, default=0)
+    top_values, top_ids = (logprobs.topk(top_k, dim=-1) if top_k > 0
+                           else (logprobs[:, :0], logprobs[:, :0].long()))
+    picked, top_values, top_ids = picked.tolist(), top_values.tolist(), top_ids.tolist()
+    return [None if k < 0 else
+            TokenLogprob(chosen[row], picked[row], tuple(zip(top_ids[row][:k],
+                                                            top_values[row][:k])))
+            for row, k in enumerate(counts)]
+
+
+def sample(logits: torch.Tensor, params: SamplingBatch,
+           generator: torch.Generator) -> tuple[list[int | None], dict[int, str]]:
+    """Next token per row of `logits` ([S, vocab], fp32), and the rows that failed.
 
     Rows with temperature 0 take the argmax. A seeded row draws from a generator seeded by its
     seed and output position, so its tokens do not depend on what else is in the batch.
     """
+    errors: dict[int, str] = {}
+    for row in torch.isnan(logits).any(dim=-1).nonzero().flatten().tolist():
+        errors[row] = "the model produced NaN logits"
+    logits = _constrained(logits, params)
     tokens = logits.argmax(dim=-1)
     temperatures = torch.from_numpy(params.temperatures).to(logits.device)
-    sampled_rows = (temperatures > 0).nonzero().flatten().tolist()
-    if not sampled_rows:
-        return tokens
-    rows = torch.tensor(sampled_rows, device=logits.device)
-    probs = _filtered_probs(logits[rows] / temperatures[rows, None],
-                            torch.from_numpy(params.top_ks)[sampled_rows].tolist(),
-                            torch.from_numpy(params.top_ps)[sampled_rows].to(logits.device))
-    for i, row in enumerate(sampled_rows):
-        seed = params.seeds[row]
-        gen = generator
-        if seed is not None:
-            gen = torch.Generator(device=logits.device)
-            gen.manual_seed(seed * _SEED_STRIDE + int(params.output_positions[row]))
-        tokens[row] = torch.multinomial(probs[i], 1, generator=gen)[0]
-    return tokens
+    sampled_rows = [r for r in (temperatures > 0).nonzero().flatten().tolist() if r not in errors]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        probs = _filtered_probs(
+            logits[rows] / temperatures[rows, None],
+            torch.from_numpy(params.top_ks)[sampled_rows].tolist(),
+            torch.from_numpy(params.top_ps)[sampled_rows].to(logits.device),
+            torch.from_numpy(params.min_ps)[sampled_rows].to(logits.device))
+        for i, row in enumerate(sampled_rows):
+            seed = params.seeds[row]
+            gen = generator
+            if seed is not None:
+                gen = torch.Generator(device=logits.device)
+                gen.manual_seed((seed * _SEED_STRIDE + int(params.output_positions[row]))
+                                % (1 << 64))
+            try:
+                tokens[row] = torch.multinomial(probs[i], 1, generator=gen)[0]
+            except RuntimeError as e:  # e.g. no token left with a finite probability
+                errors[row] = f"sampling failed: {e}"
+    out: list[int | None] = tokens.tolist()
+    for row in errors:
+        out[row] = None
+    return out, errors
 
 
-def _filtered_probs(logits: torch.Tensor, top_ks: list[int], top_ps: torch.Tensor) -> torch.Tensor:
-    """Softmax after masking tokens outside each row's top-k and top-p (nucleus) set."""
+def _constrained(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
+    """Logits after each row's penalties and banned tokens (a copy, only if any apply)."""
+    rows = [r for r in range(logits.shape[0]) if params.penalties[r] or params.banned[r]]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for row in rows:
+        if params.penalties[row] is not None:
+            _apply_penalty(logits[row], params.penalties[row])
+        if params.banned[row]:
+            logits[row, list(params.banned[row])] = float("-inf")
+    return logits
+
+
+def _apply_penalty(logits: torch.Tensor, penalty: Penalty) -> None:
+    """vLLM's (and OpenAI's) penalties, in place on one row: repetition divides positive and
+    multiplies negative logits of every token seen in the prompt or output; presence and
+    frequency subtract once, and once per occurrence, for tokens of the output."""
+    device = logits.device
+    if penalty.repetition != 1.0:
+        seen = torch.from_numpy(penalty.prompt_ids).to(device)
+        if len(penalty.output_ids):
+            seen = torch.cat([seen, torch.from_numpy(penalty.output_ids).to(device)]).unique()
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / penalty.repetition,
+                                   values * penalty.repetition)
+    if len(penalty.output_ids) and (penalty.presence or penalty.frequency):
+        counts = torch.bincount(torch.from_numpy(penalty.output_ids).to(device),
+                                minlength=logits.shape[0]).to(logits.dtype)
+        logits -= penalty.frequency * counts + penalty.presence * (counts > 0).to(logits.dtype)
+
+
+def _filtered_probs(logits: torch.Tensor, top_ks: list[int], top_ps: torch.Tensor,
+                    min_ps: torch.Tensor) -> torch.Tensor:
+    """Softmax after masking tokens outside each row's top-k and top-p (nucleus) set and
+    below min-p times the most likely token's probability."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)
     k = torch.tensor([kk if kk > 0 else logits.shape[-1] for kk in top_ks], device=logits.device)
@@ -44,6 +130,7 @@ def _filtered_probs(logits: torch.Tensor, top_ks: list[int], top_ps: torch.Tenso
     # Keep the smallest prefix whose mass reaches top_p (the token crossing it is kept).
     before = probs.cumsum(dim=-1) - probs
     drop |= before >= top_ps[:, None]
+    drop |= probs < min_ps[:, None] * probs[:, :1]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return filtered.softmax(dim=-1)

@@ -1,33 +1,42 @@
-"""Decides each step: prefill waiting requests when they fit, else decode every running one.
+"""Continuous batching with a token budget over a paged, prefix-cached KV cache.
 
-Runs on the driver. KV blocks are allocated here; when the cache is full the newest running
-request is preempted (its blocks freed, recomputed later), so no request is ever dropped.
+Each step, within `max_num_batched_tokens` tokens:
+1. every running sequence that is decoding gets its next token, oldest first. When the cache
+   is full the newest running sequence is preempted (its blocks freed, recomputed later, its
+   prefix likely still cached), so no request is ever dropped;
+2. prompts part-way through their prefill get their next chunk, as far as free blocks allow;
+3. waiting sequences are admitted in arrival order, the shared prefix found in the prefix cache
+   skipped, while their first chunk fits with a reserve of free blocks for the running
+   sequences' next decode step, so a fresh admission does not preempt anyone right away.
+
+A long prompt is thus prefilled over several steps while decodes keep running, and several
+prompts may share a step. Runs on the driver; the ranks only see the resulting plans.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
-
-from braid.engine.batch import SamplingBatch, StepPlan
-from braid.engine.kv_cache import BlockAllocator
-from braid.engine.request import Sequence
+from braid.engine.batch import StepResult
+from braid.engine.kv_cache import BlockManager
+from braid.engine.plan import SequenceRows
+from braid.engine.request import Sequence, SequenceDelta
 
 
 class Scheduler:
-    """Continuous batching over a paged KV cache."""
+    """Chooses each step's sequences and records what the step produced."""
 
-    def __init__(self, allocator: BlockAllocator, max_prefill_tokens: int,
-                 max_running: int, eos_token_ids: set[int], max_context: int) -> None:
-        self.allocator = allocator
-        self.max_prefill_tokens = max_prefill_tokens
+    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_running: int,
+                 max_context: int) -> None:
+        self.blocks = blocks
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.max_running = max_running
-        self.eos_token_ids = eos_token_ids
         self.max_context = max_context
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_queries = 0  # tokens looked up in the prefix cache at admission
+        self.prefix_hits = 0  # ... and found there
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -36,110 +45,158 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[StepPlan, list[Sequence]]:
-        """The next step's plan and the sequences in it (in plan order)."""
-        batch = self._take_prefill()
-        if not batch:
-            batch = self._take_decode()
-        return self.build_plan(batch), batch
+    def abort(self, seq: Sequence) -> None:
+        """Drop a sequence now, wherever it is; its blocks are free at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.finish_reason = "abort"
 
-    def _take_prefill(self) -> list[Sequence]:
-        """Waiting sequences up to the prefill token budget; a prompt longer than what is left
-        of the budget is prefilled in chunks over several steps (each chunk attends to the
-        KV the earlier chunks cached)."""
+    def schedule(self) -> list[Sequence]:
+        """The next step's sequences, in plan order, each with its `scheduled_tokens`
+        (empty when nothing can run)."""
+        for seq in self.running:
+            seq.scheduled_tokens = 0
         batch: list[Sequence] = []
-        budget = self.max_prefill_tokens
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            seq = self.waiting[0]
-            remaining = seq.num_tokens - seq.num_computed
-            chunk = min(remaining, budget)
-            need = self.allocator.blocks_needed(seq.num_computed + chunk, len(seq.blocks))
-            if need > self.allocator.num_free:
-                if not batch and not self.running:
-                    raise MemoryError(f"a request of {seq.num_tokens} tokens does not fit in the "
-                                      f"KV cache ({self.allocator.capacity_tokens} tokens); "
-                                      "raise --max-total-tokens")
+        budget = self.max_num_batched_tokens
+        for seq in [s for s in self.running if s.num_tokens - s.num_computed == 1]:
+            if budget == 0:
                 break
-            seq.blocks += self.allocator.allocate(need)
+            if seq.blocks and self._grow_or_preempt(seq):  # no blocks: preempted just now
+                seq.scheduled_tokens = 1
+                batch.append(seq)
+                budget -= 1
+        for seq in [s for s in self.running if s.num_tokens - s.num_computed > 1]:
+            if budget == 0:
+                break
+            chunk = self._fitting_chunk(seq, budget)
+            if chunk:
+                seq.blocks += self.blocks.allocate(
+                    self.blocks.blocks_needed(seq.num_computed + chunk, len(seq.blocks)))
+                seq.scheduled_tokens = chunk
+                batch.append(seq)
+                budget -= chunk
+        self._admit(batch, budget)
+        return batch
+
+    def _grow_or_preempt(self, seq: Sequence) -> bool:
+        """Give a decoding sequence the block its next token needs, preempting the newest
+        running sequences for it (possibly itself: then False)."""
+        need = self.blocks.blocks_needed(seq.num_tokens, len(seq.blocks))
+        while need > self.blocks.num_free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        seq.blocks += self.blocks.allocate(need)
+        return True
+
+    def _fitting_chunk(self, seq: Sequence, budget: int) -> int:
+        """The most of a prompt's remaining tokens that the budget and free blocks allow."""
+        room = (len(seq.blocks) + self.blocks.num_free) * self.blocks.block_size
+        return max(0, min(seq.num_tokens - seq.num_computed, budget, room - seq.num_computed))
+
+    def _fills_its_blocks(self, seq: Sequence) -> bool:
+        """Whether this step fills the sequence's blocks exactly: its next token needs a new
+        block."""
+        return seq.num_computed + seq.scheduled_tokens == len(seq.blocks) * self.blocks.block_size
+
+    def _admit(self, batch: list[Sequence], budget: int) -> None:
+        """Admit waiting sequences in order while their first chunk fits (see the module
+        docstring); a sibling waits until its leader's prompt is cached, to share it."""
+        bs = self.blocks.block_size
+        reserve = sum(1 for s in self.running if self._fills_its_blocks(s))
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_running:
+                return
+            leader = seq.leader
+            if leader is not None and not (leader.finished or leader.prompt_done):
+                continue
+            # Prompt logprobs need the logits of every prompt position: no cached prefix.
+            scoring = (seq.params.prompt_logprobs is not None
+                       and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1)
+            matched = [] if scoring else self.blocks.match_prefix(seq)
+            computed = len(matched) * bs
+            chunk = min(seq.num_tokens - computed, budget)
+            need = self.blocks.blocks_needed(computed + chunk, len(matched))
+            if need + reserve + ((computed + chunk) % bs == 0) > self.blocks.num_free:
+                self.blocks.free(matched)
+                return
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += computed
+            if not seq.output_ids:
+                seq.num_cached_prompt = computed
+            seq.blocks = matched + self.blocks.allocate(need)
+            seq.num_computed = computed
+            seq.num_registered_blocks = len(matched)
             seq.scheduled_tokens = chunk
+            self.waiting.remove(seq)
+            self.running.append(seq)
             batch.append(seq)
             budget -= chunk
-            if chunk < remaining:  # stays first in line for its next chunk
-                break
-            self.running.append(self.waiting.popleft())
-        return batch
-
-    def _take_decode(self) -> list[Sequence]:
-        batch = []
-        preempted: set[int] = set()  # rids preempted below to make room for earlier sequences
-        for seq in list(self.running):
-            if seq.rid in preempted:
-                continue
-            need = self.allocator.blocks_needed(seq.num_tokens, len(seq.blocks))
-            while need > self.allocator.num_free and self.running[-1] is not seq:
-                preempted.add(self.running[-1].rid)
-                self._preempt(self.running[-1])
-            if need > self.allocator.num_free:
-                self._preempt(seq)
-                continue
-            seq.blocks += self.allocator.allocate(need)
-            seq.scheduled_tokens = 1
-            batch.append(seq)
-        return batch
+            reserve += self._fills_its_blocks(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.running.remove(seq)
-        self.allocator.free(seq.blocks)
-        seq.blocks, seq.num_computed = [], 0
+        self._release(seq)
         self.waiting.appendleft(seq)
 
-    def build_plan(self, batch: list[Sequence]) -> StepPlan:
-        """The step plan for `batch`, each sequence computing its `scheduled_tokens`."""
-        block_size = self.allocator.block_size
-        q_lens = np.array([s.scheduled_tokens for s in batch], dtype=np.int64)
-        kv_lens = np.array([s.num_computed + s.scheduled_tokens for s in batch], dtype=np.int64)
-        positions = np.concatenate([np.arange(s.num_computed, end)
-                                    for s, end in zip(batch, kv_lens)])
-        input_ids = np.array([t for s, end in zip(batch, kv_lens)
-                              for t in s.token_slice(s.num_computed, end)], dtype=np.int64)
-        tables = np.zeros((len(batch), max(len(s.blocks) for s in batch)), dtype=np.int64)
-        for row, s in enumerate(batch):
-            tables[row, :len(s.blocks)] = s.blocks
-        seq_index = np.repeat(np.arange(len(batch)), q_lens)
-        slots = tables[seq_index, positions // block_size] * block_size + positions % block_size
-        params = [s.params for s in batch]
-        sampling = SamplingBatch(
-            temperatures=np.array([p.temperature for p in params], dtype=np.float32),
-            top_ks=np.array([p.top_k for p in params], dtype=np.int64),
-            top_ps=np.array([p.top_p for p in params], dtype=np.float32),
-            seeds=[p.seed for p in params],
-            output_positions=np.array([len(s.output_ids) for s in batch], dtype=np.int64),
-        )
-        return StepPlan(input_ids, positions.astype(np.int64), slots.astype(np.int64), q_lens,
-                        kv_lens, tables, sampling)
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.blocks)
+        seq.blocks, seq.num_computed, seq.scheduled_tokens = [], 0, 0
+        seq.num_registered_blocks = 0
 
-    def commit(self, batch: list[Sequence], next_tokens: list[int]) -> list[Sequence]:
-        """Record the step's sampled tokens; return the sequences that finished.
+    def commit(self, batch: list[Sequence], layout: list[SequenceRows],
+               result: StepResult) -> list[SequenceDelta]:
+        """Record a step's results; one delta per sequence that got a token or finished.
 
-        A sequence whose prompt is only partly prefilled discards its token: it was sampled
-        from the middle of the prompt.
+        A sequence whose step ended inside its prompt only records its prompt logprobs.
         """
-        finished = []
-        for seq, token in zip(batch, next_tokens):
+        deltas = []
+        for seq, rows in zip(batch, layout):
             seq.num_computed += seq.scheduled_tokens
-            if seq.num_computed < seq.num_tokens:
-                continue
-            seq.output_ids.append(token)
-            params = seq.params
-            if token in params.stop_token_ids or (
-                    not params.ignore_eos and token in self.eos_token_ids):
-                seq.finish_reason = "stop"
-            elif len(seq.output_ids) >= params.max_new_tokens or seq.num_tokens >= self.max_context:
-                seq.finish_reason = "length"
-            if seq.finished:
-                self.running.remove(seq)
-                self.allocator.free(seq.blocks)
-                seq.blocks = []
-                finished.append(seq)
-        return finished
+            seq.scheduled_tokens = 0
+            self.blocks.register(seq)
+            if rows.prompt_count:
+                seq.prompt_logprobs += result.prompt_logprobs[
+                    rows.prompt_start:rows.prompt_start + rows.prompt_count]
+            if rows.sample_row is not None:
+                deltas.append(self._record_token(seq, result, rows.sample_row))
+        return deltas
+
+    def _record_token(self, seq: Sequence, result: StepResult, row: int) -> SequenceDelta:
+        delta = SequenceDelta(seq.request_id, seq.index)
+        token = result.tokens[row]
+        if token is None:
+            self._finish(seq, "error")
+            delta.finish_reason, delta.error = "error", result.errors[row]
+            return delta
+        seq.output_ids.append(token)
+        delta.new_token_ids = [token]
+        params = seq.params
+        if result.logprobs is not None:
+            delta.logprobs = [result.logprobs[row]]
+        if len(seq.output_ids) == 1:
+            delta.num_prompt_tokens = len(seq.prompt_ids)
+            delta.num_cached_tokens = seq.num_cached_prompt
+            if params.prompt_logprobs is not None:
+                delta.prompt_logprobs = seq.prompt_logprobs
+        if len(seq.output_ids) >= params.min_tokens:
+            if token in params.stop_token_ids:
+                delta.finish_reason, delta.stop_reason = "stop", token
+            elif not params.ignore_eos and token in seq.eos_token_ids:
+                delta.finish_reason = "stop"
+        if delta.finish_reason is None and (len(seq.output_ids) >= params.max_new_tokens
+                                            or seq.num_tokens >= self.max_context):
+            delta.finish_reason = "length"
+        if delta.finish_reason is not None:
+            self._finish(seq, delta.finish_reason)
+        return delta
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.finish_reason = reason

@@ -108,4 +108,7 @@ class CausalLM(nn.Module):
         hidden = self.model.norm(state.take("partial").wait(), state.take("residual"))[0]
         if batch.logits_index is not None:
             hidden = hidden[batch.logits_index]
+        if hidden.shape[0] == 0:  # no logits wanted (a prompt chunk): every rank skips the head
+            state.put("logits", hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32))
+            return
         state.put("logits", self.lm_head(hidden).float())

@@ -24,8 +24,9 @@ DEFAULT_TOKEN_THRESHOLD = 0.48
 
 @dataclass
 class MicroBatches:
-    """The two halves of a step. When A ends inside a sequence that B finishes
-    (`a_ends_mid_sequence`), A's last-token logits are not a real output and are dropped."""
+    """The two halves of a step, each with its share of the logit rows (A's rows come first,
+    so the two parts' logits concatenate in the step's order). `a_ends_mid_sequence`: A ends
+    inside a sequence that B finishes (a two-chunk split)."""
 
     a: StepPlan
     b: StepPlan
@@ -34,9 +35,14 @@ class MicroBatches:
 
 def _part(plan: StepPlan, seqs: slice, tokens: slice, q_lens: np.ndarray,
           kv_lens: np.ndarray) -> StepPlan:
+    logit_rows = plan.logit_rows
+    if logit_rows is not None:  # this part's rows, as indices into its own tokens
+        start, stop = tokens.start or 0, tokens.stop or plan.num_tokens
+        logit_rows = logit_rows[(logit_rows >= start) & (logit_rows < stop)] - start
     return replace(plan, input_ids=plan.input_ids[tokens], positions=plan.positions[tokens],
                    slot_mapping=plan.slot_mapping[tokens], q_lens=q_lens, kv_lens=kv_lens,
-                   block_tables=plan.block_tables[seqs], sampling=None)
+                   block_tables=plan.block_tables[seqs], logit_rows=logit_rows,
+                   sample_rows=None, sampling=None, prompt_logprobs=None)
 
 
 def _cut_between_sequences(plan: StepPlan, cut: int) -> MicroBatches:

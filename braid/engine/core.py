@@ -1,0 +1,246 @@
+"""The engine core: requests in, per-sequence deltas out, one forward step at a time.
+
+`EngineCore` owns the scheduler and the KV block manager and drives an executor (the rank
+processes, or a runner in this process for tests). The offline `LLM` drives it in-process; the
+server's engine process drives it in a loop of its own. It knows token ids only: tokenizing,
+detokenizing and stop strings belong to the front ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from itertools import count
+from typing import Protocol
+
+import torch
+
+from braid.config import EngineConfig, ModelConfig, UserError, auto_switch
+from braid.distributed.launch import launch_ranks
+from braid.distributed.shm import ShmSegment, activation_slot_bytes
+from braid.engine.batch import StepPlan, StepResult
+from braid.engine.kv_cache import BlockManager
+from braid.engine.plan import build_plan
+from braid.engine.request import Request, SamplingParams, Sequence, SequenceDelta
+from braid.engine.scheduler import Scheduler
+from braid.engine.worker import worker_main
+from braid.models.registry import model_class
+
+
+class EngineError(RuntimeError):
+    """The engine cannot go on (a rank's answer does not belong to the step asked)."""
+
+
+class Executor(Protocol):
+    """Runs step plans on the model: the rank processes, or a runner in this process."""
+
+    def step(self, plan: StepPlan) -> StepResult: ...
+
+    def check_alive(self) -> None:
+        """Raise if the model can no longer run (a rank died while the engine was idle)."""
+
+    def close(self) -> None: ...
+
+
+class RankExecutor:
+    """The model's tensor-parallel ranks as processes: plans out, rank 0's results back.
+
+    Construction starts the ranks and returns at once (the caller may load its tokenizer
+    meanwhile); `wait_ready` waits until every rank has loaded its shard.
+    """
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        # Refuse an unsupported architecture or split before launching.
+        model_class(model_config).check_config(model_config, config.tp)
+        segment = None
+        if config.comm == "shm" and config.tp > 1:
+            segment = ShmSegment.create(config.tp, slot_bytes=activation_slot_bytes(
+                config.max_num_batched_tokens, model_config.widest_activation,
+                config.torch_dtype.itemsize))
+        try:
+            self.ranks = launch_ranks(config.tp, worker_main, (config, model_config, segment),
+                                      cleanup=segment.unlink if segment else None)
+        except BaseException:
+            if segment is not None:
+                segment.unlink()
+            raise
+
+    def wait_ready(self) -> None:
+        try:
+            self.ranks.gather()
+        except BaseException:
+            self.ranks.close()
+            raise
+
+    def step(self, plan: StepPlan) -> StepResult:
+        return self.ranks.request(("step", plan))
+
+    def check_alive(self) -> None:
+        self.ranks.check_alive()
+
+    def close(self) -> None:
+        self.ranks.close()
+
+
+@dataclass
+class StepPolicy:
+    """Per-step switches, changeable between steps (benchmarks compare them in one launch)."""
+
+    overlap: str
+    overlap_min_tokens: int
+    dp_linear: str
+    dp_linear_min_tokens: int
+    skip_comm: bool
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges for metrics: current load, and totals since start."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_steps: int
+    num_steps_overlap: int
+    num_steps_dp_linear: int
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, model_config: ModelConfig,
+                  kv_capacity: int) -> None:
+    """Raise `UserError` (naming the field at fault) if a request can never run: an empty
+    prompt, a token outside the vocabulary, or a prompt that with its `max_new_tokens` exceeds
+    the model's context or the KV cache."""
+    context = model_config.max_position_embeddings
+    n = len(prompt_ids)
+    if not prompt_ids:
+        raise UserError("a prompt must have at least one token", "prompt")
+    bad = [t for t in prompt_ids if not 0 <= t < model_config.vocab_size]
+    if bad:
+        raise UserError(f"token id {bad[0]} is outside the vocabulary "
+                        f"(0..{model_config.vocab_size - 1})", "prompt")
+    if n >= context:
+        raise UserError(f"prompt of {n} tokens does not fit the model's context of {context} "
+                        "tokens", "prompt")
+    total = n + params.max_new_tokens
+    if total > context:
+        raise UserError(f"prompt of {n} tokens plus {params.max_new_tokens} new tokens exceeds "
+                        f"the model's context of {context} tokens; ask for at most "
+                        f"{context - n} new tokens", "max_tokens")
+    if total > kv_capacity:
+        raise UserError(f"prompt of {n} tokens plus {params.max_new_tokens} new tokens exceeds "
+                        f"the KV cache ({kv_capacity} tokens); raise --max-total-tokens or ask "
+                        "for fewer tokens", "max_tokens")
+
+
+class EngineCore:
+    """Requests in (`add`, `abort`), per-sequence deltas out (`step`)."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig,
+                 executor: Executor) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.executor = executor
+        self.blocks = BlockManager(config.max_total_tokens, config.block_size,
+                                   config.prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens,
+                                   config.max_running_requests,
+                                   model_config.max_position_embeddings)
+        self.policy = StepPolicy(config.overlap, config.overlap_min_tokens, config.dp_linear,
+                                 config.dp_linear_min_tokens, config.skip_comm)
+        self._sequences: dict[str, list[Sequence]] = {}
+        self._seq_ids = count()
+        self._step_ids = count(1)
+        self.num_steps = self.num_steps_overlap = self.num_steps_dp_linear = 0
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def close(self) -> None:
+        """Stop the executor (the rank processes)."""
+        self.executor.close()
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise `UserError` if a request can never run (see `check_request`)."""
+        check_request(prompt_ids, params, self.model_config, self.blocks.capacity_tokens)
+
+    def add(self, request: Request) -> None:
+        """Queue a request's `n` sequences; `UserError` if it can never run. With the prefix
+        cache on, siblings wait for the first one's prompt to be cached and share it."""
+        if request.request_id in self._sequences:
+            raise UserError(f"request id {request.request_id!r} is already in use")
+        self.check_request(request.prompt_ids, request.params)
+        seqs = [Sequence(next(self._seq_ids), request.request_id, i, list(request.prompt_ids),
+                         request.params, request.eos_token_ids)
+                for i in range(request.params.n)]
+        if self.config.prefix_caching:
+            for sibling in seqs[1:]:
+                sibling.leader = seqs[0]
+        self._sequences[request.request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Stop a request's sequences (or only completion `index`); their KV blocks are free
+        at once. Unknown or finished requests are ignored (the race is the client's)."""
+        for seq in self._sequences.get(request_id, []):
+            if (index is None or seq.index == index) and not seq.finished:
+                self.scheduler.abort(seq)
+        self._forget_if_done(request_id)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        if all(seq.finished for seq in self._sequences.get(request_id, [])):
+            self._sequences.pop(request_id, None)
+
+    def step(self) -> list[SequenceDelta]:
+        """Run one scheduled step; one delta per sequence that got a token or finished
+        (nothing when nothing is waiting or running)."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        plan, layout = build_plan(batch, self.config.block_size, next(self._step_ids))
+        result = self._run(plan)
+        deltas = self.scheduler.commit(batch, layout, result)
+        for delta in deltas:
+            if delta.finish_reason is not None:
+                self._forget_if_done(delta.request_id)
+        return deltas
+
+    def _run(self, plan: StepPlan) -> StepResult:
+        policy, tp = self.policy, self.config.tp
+        plan.overlap = auto_switch(policy.overlap, plan.num_tokens, policy.overlap_min_tokens, tp)
+        plan.dp_linear = auto_switch(policy.dp_linear, plan.num_tokens,
+                                     policy.dp_linear_min_tokens, tp)
+        plan.skip_comm = policy.skip_comm
+        result = self.executor.step(plan)
+        if result.step_id != plan.step_id:
+            raise EngineError(f"rank 0 answered step {result.step_id} when asked for step "
+                              f"{plan.step_id}: a reply was left over from an interrupted step")
+        self.num_steps += 1
+        self.num_steps_overlap += plan.overlap
+        self.num_steps_dp_linear += plan.dp_linear
+        return result
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting), self.blocks.usage, s.prefix_queries,
+                           s.prefix_hits, s.num_preemptions, self.num_steps,
+                           self.num_steps_overlap, self.num_steps_dp_linear)
+
+    def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """fp32 logits at every position of each prompt (one batched prefill, outside the
+        scheduler and the prefix cache), for validation."""
+        seqs = [Sequence(next(self._seq_ids), "", 0, list(p), SamplingParams()) for p in prompts]
+        try:
+            for seq in seqs:
+                seq.blocks = self.blocks.allocate(self.blocks.blocks_needed(seq.num_tokens, 0))
+                seq.scheduled_tokens = seq.num_tokens
+            plan, _ = build_plan(seqs, self.config.block_size, next(self._step_ids))
+            result = self._run(replace(plan, logit_rows=None, sample_rows=None, sampling=None,
+                                       prompt_logprobs=None, return_logits=True))
+        finally:
+            for seq in seqs:
+                self.blocks.free(seq.blocks)
+        return list(result.logits.split([len(p) for p in prompts]))

@@ -1,0 +1,121 @@
+"""The front end's side of a completion: incremental detokenization and stop strings.
+
+Shared by the offline `LLM` and the server, which receive token deltas from the engine core
+and turn them into text pieces. Two things make this more than `decode`:
+- a token may end inside a UTF-8 character (byte-level BPE splits emoji and CJK characters);
+  its bytes are held until the character is complete, so no piece carries a replacement
+  character that the full text does not;
+- a stop string may span tokens; text that could still become the start of one is held back,
+  and the completion ends just before it (OpenAI's behaviour: the stop string is not output).
+"""
+
+from __future__ import annotations
+
+from braid.engine.request import SamplingParams, SequenceDelta, TokenLogprob
+
+# Prompt tokens decoded before the output, so tokenizers that mark word starts (SentencePiece's
+# leading space) decode the first output token as they would in context.
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token sequence, emitted in pieces (see the module docstring)."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset] decode to text already taken
+        self.read_offset = len(self.ids)
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # the output's text so far (cut before a stop string once found)
+        self.emitted = 0  # characters of `text` handed out
+        self.stop_string: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def add(self, token_ids: list[int], final: bool = False, check_stop: bool = True) -> str:
+        """Take new tokens; return the text that can be emitted now. `final`: no more tokens
+        will come, so everything pending is emitted. Stop strings are checked only while
+        `check_stop` (not before `min_tokens`)."""
+        for token in token_ids:
+            if self.stop_string is not None:
+                break
+            self.ids.append(token)
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                self._append(full[len(prefix):], check_stop)
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if final and self.stop_string is None and self.read_offset < len(self.ids):
+            # A character left incomplete at the end: emit what the bytes decode to.
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            self._append(self._decode(self.ids[self.prefix_offset:])[len(prefix):], check_stop)
+            self.read_offset = len(self.ids)
+        done = final or self.stop_string is not None
+        end = len(self.text) if done else max(self.emitted, len(self.text) - self.hold)
+        piece = self.text[self.emitted:end]
+        self.emitted = end
+        return piece
+
+    def _append(self, piece: str, check_stop: bool) -> None:
+        start = max(0, len(self.text) - self.hold)  # a stop string may begin in older text
+        self.text += piece
+        if not check_stop:
+            return
+        found = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if found:
+            cut, self.stop_string = min(found)
+            self.text = self.text[:cut]
+
+
+class CompletionState:
+    """What a front end knows of one completion: its tokens, text, logprobs and end."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams,
+                 index: int = 0) -> None:
+        self.index = index
+        self.params = params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids,
+                                                  params.skip_special_tokens, params.stop)
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+    def update(self, delta: SequenceDelta) -> tuple[str, list[TokenLogprob]]:
+        """Apply an engine delta; return the text to emit now and the logprobs of the tokens
+        it covers. After a stop string the completion is finished (the caller aborts it in
+        the engine) and later deltas are ignored."""
+        if self.finished:
+            return "", []
+        self.token_ids += delta.new_token_ids
+        new_logprobs = delta.logprobs or []
+        if self.logprobs is not None:
+            self.logprobs += new_logprobs
+        ending = delta.finish_reason is not None
+        # A stop token (EOS or one of stop_token_ids) ends the completion without its text.
+        text_ids = delta.new_token_ids
+        if delta.finish_reason == "stop" and text_ids:
+            text_ids = text_ids[:-1]
+        piece = self.detokenizer.add(text_ids, final=ending,
+                                     check_stop=len(self.token_ids) >= self.params.min_tokens)
+        if self.detokenizer.stop_string is not None:
+            self.finish_reason, self.stop_reason = "stop", self.detokenizer.stop_string
+        elif ending:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+            self.error = delta.error
+        return piece, new_logprobs

@@ -1,0 +1,89 @@
+"""The engine process: an `EngineCore` driven in a loop, fed over a pipe by the API process.
+
+Each turn of the loop takes every command that has arrived (batches of adds and aborts), runs
+one step if anything is waiting or running, and sends back one message with the step's deltas
+and the engine's stats. A request the engine refuses fails alone (an error delta); anything
+else that goes wrong (a rank died) is sent as "fatal", and the process stops its ranks, which
+removes their shared memory, and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+from braid.config import EngineConfig, UserError, load_model_config
+from braid.distributed.launch import RankFailure, exit_with_parent
+from braid.engine.core import EngineCore, EngineError, RankExecutor
+from braid.engine.request import SequenceDelta
+
+IDLE_POLL_S = 0.05  # how often an idle engine checks its ranks
+
+
+def engine_process_main(config: EngineConfig, conn: Connection) -> None:
+    """Entry point: build the engine (answer "ready" or "fatal"), then serve until "stop"."""
+    exit_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        model_config = load_model_config(config.model)
+        executor = RankExecutor(config, model_config)
+        executor.wait_ready()
+    except UserError as e:
+        conn.send(("fatal", f"error: {e}"))
+        sys.exit(2)
+    except BaseException as e:  # noqa: BLE001 - reported, then this process ends
+        conn.send(("fatal", _describe(e)))
+        sys.exit(1)
+    core = EngineCore(config, model_config, executor)
+    conn.send(("ready", None))
+    try:
+        serve(core, conn)
+    except (EOFError, OSError):
+        pass  # the API process is gone
+    except BaseException as e:  # noqa: BLE001
+        try:
+            conn.send(("fatal", _describe(e)))
+        finally:
+            core.close()
+        sys.exit(1)
+    core.close()
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, (RankFailure, EngineError)):
+        return f"engine failed: {e}"
+    return "engine failed:\n" + "".join(traceback.format_exception(e))
+
+
+def serve(core: EngineCore, conn: Connection) -> None:
+    """Take commands and step until told to stop."""
+    while True:
+        refused: list[SequenceDelta] = []
+        commands: list[tuple] = []
+        if conn.poll(0 if core.has_work else IDLE_POLL_S):
+            while True:
+                commands += conn.recv()
+                if not conn.poll(0):
+                    break
+        for command in commands:
+            if command[0] == "stop":
+                return
+            if command[0] == "add":
+                request = command[1]
+                try:
+                    core.add(request)
+                except UserError as e:
+                    refused += [SequenceDelta(request.request_id, i, finish_reason="error",
+                                              error=str(e)) for i in range(request.params.n)]
+            elif command[0] == "abort":
+                core.abort(*command[1:])
+        if core.has_work:
+            deltas = core.step()
+        else:
+            core.executor.check_alive()
+            deltas = []
+        if commands or deltas:
+            conn.send(("outputs", refused + deltas, core.stats()))

@@ -1,0 +1,75 @@
+"""Prometheus metrics of the server (`GET /metrics`), named as vLLM names its own where one
+exists, under a `braid:` prefix. Engine gauges and totals come with every engine message;
+latencies are measured in the API process, where the client sees them."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from braid.engine.core import EngineStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class Metrics:
+    """The server's metrics, in a registry of their own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("braid:num_requests_running",
+                             "Sequences in the engine's running batch", registry=r)
+        self.waiting = Gauge("braid:num_requests_waiting", "Sequences waiting to be admitted",
+                             registry=r)
+        self.kv_cache_usage = Gauge("braid:kv_cache_usage_perc",
+                                    "Share of KV cache blocks held by sequences (1 = full)",
+                                    registry=r)
+        self.prefix_hit_rate = Gauge("braid:prefix_cache_hit_rate",
+                                     "Share of looked-up prompt tokens found in the prefix cache",
+                                     registry=r)
+        self._totals = {
+            "prefix_cache_queries": Counter("braid:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache",
+                                            registry=r),
+            "prefix_cache_hits": Counter("braid:prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache", registry=r),
+            "num_preemptions": Counter("braid:num_preemptions", "Sequences preempted",
+                                       registry=r),
+            "num_steps": Counter("braid:engine_steps", "Forward steps run", registry=r),
+            "num_steps_overlap": Counter("braid:engine_steps_two_batch_overlap",
+                                         "Steps run as two overlapped micro-batches", registry=r),
+            "num_steps_dp_linear": Counter("braid:engine_steps_dp_linear",
+                                           "Steps with token-split replicated projections",
+                                           registry=r),
+        }
+        self._last = dict.fromkeys(self._totals, 0)
+        self.prompt_tokens = Counter("braid:prompt_tokens", "Prompt tokens received",
+                                     registry=r)
+        self.generation_tokens = Counter("braid:generation_tokens", "Tokens generated",
+                                         registry=r)
+        self.requests = Counter("braid:request_success", "Requests finished, by reason",
+                                ["finished_reason"], registry=r)
+        self.ttft = Histogram("braid:time_to_first_token_seconds",
+                              "Time from arrival to the first generated token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("braid:inter_token_latency_seconds",
+                             "Time between consecutive tokens of a completion",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("braid:e2e_request_latency_seconds",
+                             "Time from arrival to the last token", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+
+    def update_engine(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        if stats.prefix_cache_queries:
+            self.prefix_hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries)
+        for name, counter in self._totals.items():
+            value = getattr(stats, name)
+            counter.inc(value - self._last[name])
+            self._last[name] = value
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,117 @@
+"""`braid serve`: the API process. It starts the engine process (which starts the ranks), loads
+the tokenizer meanwhile, then serves HTTP with uvicorn until a signal or a dead engine.
+
+SIGINT or SIGTERM: stop accepting connections, give in-flight requests `shutdown_timeout`
+seconds to finish, abort the rest (their streams end with finish reason "abort"), stop the
+engine, its ranks and their shared memory; exit code 0. A dead engine (a rank died) fails every
+waiting request and ends the server with exit code 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from braid.config import EngineConfig, load_model_config
+from braid.engine.kv_cache import kv_capacity_tokens
+from braid.engine.llm import eos_token_ids
+from braid.engine.tokenizer import load_tokenizer
+from braid.models.registry import model_class
+from braid.server.api import ServerContext, build_app
+from braid.server.async_engine import AsyncEngine
+from braid.server.metrics import Metrics
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """The HTTP side of `braid serve`."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    served_model_name: str | None = None  # default: the checkpoint's file or folder name
+    api_key: str | None = None
+    log_level: str = "info"
+    shutdown_timeout: float = 5.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with braid's shutdown: on the first SIGINT/SIGTERM, in-flight requests get the
+    grace period, then are aborted. Unlike uvicorn's default, the signal is not raised again
+    once the server has stopped, so a clean shutdown exits with 0."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.grace_s = grace_s
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        handled = (signal.SIGINT, signal.SIGTERM)
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.call_later, self.grace_s,
+                                           self.engine.abort_all)
+        super().handle_exit(sig, frame)
+
+
+def served_name(model: str) -> str:
+    """The model's name in the API: its GGUF file's stem or its folder's name."""
+    path = Path(model)
+    return path.stem if path.is_file() else path.resolve().name
+
+
+def run_server(config: EngineConfig, settings: ServeSettings) -> int:
+    """Serve until stopped; the process exit code (0 after a signal, 1 if the engine died)."""
+    model_config = load_model_config(config.model)
+    model_class(model_config).check_config(model_config, config.tp)  # before any process starts
+    engine = AsyncEngine(config)
+    try:
+        tokenizer = load_tokenizer(config.model)  # while the engine loads the model
+        engine.wait_ready()
+        metrics = Metrics()
+        ctx = ServerContext(
+            engine=engine, tokenizer=tokenizer, model_config=model_config,
+            model_name=settings.served_model_name or served_name(config.model),
+            model_path=config.model,
+            kv_capacity=kv_capacity_tokens(config.max_total_tokens, config.block_size),
+            eos_token_ids=eos_token_ids(model_config, tokenizer), metrics=metrics,
+            api_key=settings.api_key, created=int(time.time()))
+        server = _Server(uvicorn.Config(build_app(ctx), host=settings.host, port=settings.port,
+                                        log_level=settings.log_level,
+                                        timeout_graceful_shutdown=settings.shutdown_timeout + 2),
+                         engine, settings.shutdown_timeout)
+        exit_code = 0
+
+        def engine_died(reason: str) -> None:
+            nonlocal exit_code
+            exit_code = 1
+            print(f"error: {reason}", file=sys.stderr, flush=True)
+            server.should_exit = True
+
+        async def serve() -> None:
+            server.loop = asyncio.get_running_loop()
+            engine.on_stats = metrics.update_engine
+            engine.on_dead = engine_died
+            engine.start(server.loop)
+            await server.serve()
+
+        asyncio.run(serve())
+        return exit_code
+    finally:
+        engine.close()

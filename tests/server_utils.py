@@ -1,0 +1,87 @@
+"""Start and stop `braid serve` for tests: 127.0.0.1 only, a free port, always stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import psutil
+
+START_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """A running `braid serve` subprocess and where to reach it."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
+        self.proc = proc
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log = log
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def engine_and_ranks(self) -> tuple[psutil.Process, list[psutil.Process]]:
+        """The engine process (the server's child) and the rank processes (its children)."""
+        (engine,) = [c for c in psutil.Process(self.proc.pid).children()
+                     if "multiprocessing" in " ".join(c.cmdline())]
+        return engine, engine.children()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        """Signal the server and wait for it; kill it if it does not stop in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def shm_segments_of(pid: int) -> list[str]:
+    """Shared-memory segments created by process `pid` (braid names them braid-PID-...)."""
+    return [p for p in os.listdir("/dev/shm") if p.startswith(f"braid-{pid}-")]
+
+
+@contextmanager
+def braid_server(*args: str, log_dir: Path):
+    """`braid serve ARGS` on a free port of 127.0.0.1, ready to answer; stopped afterwards
+    whatever happens."""
+    port = free_port()
+    log = log_dir / f"server-{port}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "braid.cli", "serve", "--host", "127.0.0.1", "--port",
+             str(port), "--log-level", "warning", *args], stdout=out, stderr=subprocess.STDOUT)
+    server = ServerProcess(proc, port, log)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"braid serve exited with {proc.returncode}:\n"
+                                   f"{server.output()}")
+            try:
+                if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"braid serve did not start:\n{server.output()}")
+            time.sleep(0.5)
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,271 @@
+"""`braid serve --tp 2` through the official `openai` client and raw HTTP: completions and chat,
+streamed and not, n, stop strings, logprobs with echo, concurrency, bad input, disconnects,
+metrics, and the server's lifecycle (signals, a dead rank)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+from server_utils import braid_server, shm_segments_of
+
+KEY = "test-key"
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village,"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with braid_server("--tp", "2", "--api-key", KEY,
+                      log_dir=tmp_path_factory.mktemp("server")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(f"{server.base_url}/metrics").text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def test_greedy_completions_equal_braid_generate(client, model):
+    offline = subprocess.run(
+        [sys.executable, "-m", "braid.cli", "generate", "--tp", "2", "--temperature", "0",
+         "--max-new-tokens", "24", "--json", *PROMPTS], capture_output=True, text=True,
+        timeout=300)
+    assert offline.returncode == 0, offline.stderr
+    expected = [json.loads(line) for line in offline.stdout.splitlines()]
+    response = client.completions.create(model=model, prompt=PROMPTS, max_tokens=24,
+                                         temperature=0)
+    choices = sorted(response.choices, key=lambda c: c.index)
+    assert [c.text for c in choices] == [e["text"] for e in expected]
+    assert response.usage.completion_tokens == sum(len(e["token_ids"]) for e in expected)
+    # Streamed, the pieces add up to the same text.
+    stream = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=24,
+                                       temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream) == expected[0]["text"]
+
+
+def test_chat_streamed_and_not(client, model):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    full = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
+                                          temperature=0)
+    text = full.choices[0].message.content
+    assert "Paris" in text and full.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-2].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_n_completions_and_usage(client, model):
+    response = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=10, n=2,
+                                         temperature=1.0, seed=5,
+                                         extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in response.choices) == [0, 1]
+    assert response.usage.completion_tokens == 20
+    assert all(c.finish_reason == "length" for c in response.choices)
+
+
+def test_stop_strings_cut_the_text(client, model):
+    full = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=32,
+                                     temperature=0, extra_body={"ignore_eos": True}).choices[0]
+    stop = full.text.split()[3]  # a word from the middle of the greedy text
+    for stream in (False, True):
+        result = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=32,
+                                           temperature=0, stop=[stop], stream=stream)
+        if stream:
+            chunks = list(result)
+            text = "".join(c.choices[0].text for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = result.choices[0].text, result.choices[0].finish_reason
+        assert text == full.text[:full.text.index(stop)]
+        assert finish == "stop"
+
+
+def test_echo_logprobs_score_the_prompt(client, model):
+    response = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=1,
+                                         temperature=0, echo=True, logprobs=2)
+    choice = response.choices[0]
+    logprobs = choice.logprobs
+    num_prompt = response.usage.prompt_tokens
+    assert len(logprobs.tokens) == num_prompt + 1
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert choice.text.startswith(PROMPTS[0])
+    assert "".join(logprobs.tokens) == choice.text
+    # Greedy: the generated token is the most likely one.
+    generated = logprobs.top_logprobs[-1]
+    assert max(generated.values()) == pytest.approx(logprobs.token_logprobs[-1])
+    assert logprobs.text_offset[1] == len(logprobs.tokens[0])
+
+
+def test_64_concurrent_streams_complete_with_correct_usage(server, model):
+    async def one(client, i: int) -> tuple[int, int, str]:
+        stream = await client.completions.create(
+            model=model, prompt=f"Story number {i}:", max_tokens=4 + i % 5, temperature=0.8,
+            seed=i, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if chunk.usage:
+                usage = chunk.usage
+        return usage.completion_tokens, 4 + i % 5, text
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=KEY,
+                                      max_retries=0, timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(run_all())
+    assert len(results) == 64
+    assert all(got == asked for got, asked, _ in results)
+    assert all(text for _, _, text in results)
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ("{not json", 400, None),
+    ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    ({"prompt": [1] * 9000}, 400, "prompt"),
+    ({"prompt": "hi", "max_tokens": 9000}, 400, "max_tokens"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": "hi", "model": "no-such-model"}, 404, "model"),
+    ({}, 400, "prompt"),
+])
+def test_bad_input_gets_a_4xx_and_the_server_goes_on(server, client, model, body, status,
+                                                   param):
+    content = body if isinstance(body, str) else json.dumps({"model": model, **body})
+    response = httpx.post(f"{server.base_url}/v1/completions", content=content,
+                          headers={"Authorization": f"Bearer {KEY}",
+                                   "Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    good = client.completions.create(model=model, prompt="Hi", max_tokens=2)
+    assert good.usage.completion_tokens >= 1
+
+
+def test_wrong_api_key_is_401(server, model):
+    bad = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=model, prompt="Hi", max_tokens=2)
+    response = httpx.get(f"{server.base_url}/v1/models")
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_chat_bad_input(server, client, model):
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=model, messages=[], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=model, max_tokens=2, top_logprobs=2,
+                                       messages=[{"role": "user", "content": "Hi"}])
+    chat = client.chat.completions.create(model=model, max_tokens=3, logprobs=True,
+                                          top_logprobs=2,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == chat.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 for e in entries)
+
+
+def test_a_disconnect_frees_the_requests_blocks(server, model):
+    body = {"model": model, "prompt": "Count to a thousand:", "max_tokens": 2000,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as response:
+        lines = response.iter_lines()
+        received = [line for line, _ in zip(lines, range(5))]
+        assert all(line.startswith("data: ") or not line for line in received)
+        assert metric(server, "braid:num_requests_running") == 1
+        assert metric(server, "braid:kv_cache_usage_perc") > 0
+    deadline = time.monotonic() + 10
+    while metric(server, "braid:kv_cache_usage_perc") > 0:
+        assert time.monotonic() < deadline, "the disconnected request kept its KV blocks"
+        time.sleep(0.2)
+    assert metric(server, "braid:num_requests_running") == 0
+
+
+def test_models_health_tokenize_and_metrics(server, client, model):
+    listed = client.models.list().data
+    assert [m.id for m in listed] == [model] and model.startswith("SmolLM2")
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    tokens = httpx.post(f"{server.base_url}/tokenize", json={"prompt": PROMPTS[0]}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    text = httpx.post(f"{server.base_url}/detokenize",
+                      json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert text == PROMPTS[0]
+    exposition = httpx.get(f"{server.base_url}/metrics").text
+    for name in ("braid:num_requests_waiting", "braid:prompt_tokens_total",
+                 "braid:generation_tokens_total", "braid:time_to_first_token_seconds_bucket",
+                 "braid:inter_token_latency_seconds_bucket",
+                 "braid:e2e_request_latency_seconds_bucket", "braid:prefix_cache_hit_rate",
+                 "braid:num_preemptions_total", "braid:engine_steps_two_batch_overlap_total",
+                 "braid:engine_steps_dp_linear_total"):
+        assert name in exposition, name
+    assert metric(server, "braid:generation_tokens_total") > 0
+
+
+def test_sigterm_stops_the_server_cleanly(server):
+    """Runs last in this module: the shared server stops on SIGTERM with exit code 0, its
+    engine and ranks gone, and no shared memory left."""
+    engine, ranks = server.engine_and_ranks()
+    assert len(ranks) == 2
+    assert server.stop(signal.SIGTERM) == 0, server.output()
+    assert not shm_segments_of(engine.pid)
+    time.sleep(0.5)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                   for p in [engine, *ranks])
+
+
+def test_a_dead_rank_ends_the_server_within_10s(tmp_path):
+    with braid_server("--tp", "2", log_dir=tmp_path) as server:
+        engine, ranks = server.engine_and_ranks()
+        base = server.base_url
+        stream = httpx.stream("POST", f"{base}/v1/completions", timeout=30, json={
+            "prompt": "Count to a thousand:", "max_tokens": 2000, "stream": True,
+            "ignore_eos": True})
+        with stream as response:
+            lines = response.iter_lines()
+            next(lines)
+            ranks[1].kill()
+            killed = time.monotonic()
+            rest = "\n".join(lines)  # the stream ends, with an error
+        assert "error" in rest
+        server.proc.wait(timeout=10)
+        assert time.monotonic() - killed < 10
+        assert server.proc.returncode not in (0, None), server.output()
+        assert "rank 1" in server.output()
+        assert not shm_segments_of(engine.pid)
