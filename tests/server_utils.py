@@ -36,9 +36,12 @@ class ServerProcess:
 
     def engine_and_ranks(self) -> tuple[psutil.Process, list[psutil.Process]]:
         """The engine process (the server's child) and the rank processes (its children)."""
-        (engine,) = [c for c in psutil.Process(self.proc.pid).children()
-                     if "multiprocessing" in " ".join(c.cmdline())]
-        return engine, engine.children()
+        def spawned(proc: psutil.Process) -> list[psutil.Process]:
+            children = [c for c in proc.children() if "spawn_main" in " ".join(c.cmdline())]
+            return sorted(children, key=lambda c: c.create_time())
+
+        (engine,) = spawned(psutil.Process(self.proc.pid))
+        return engine, spawned(engine)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         """Signal the server and wait for it; kill it if it does not stop in time."""

@@ -273,7 +273,7 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def lines() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
         except EngineDead as e:
             yield f"data: {json.dumps(error_body(f'the engine stopped: {e}', 'server_error'))}\n\n"
         yield "data: [DONE]\n\n"
