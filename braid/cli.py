@@ -113,6 +113,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def cmd_bench_serving(args: argparse.Namespace) -> None:
+    from braid.bench.serving import ServingConfig, run_bench_serving
+
+    run_bench_serving(ServingConfig(
+        base_url=args.base_url, backend=args.backend, model=args.model,
+        tokenizer=args.tokenizer, dataset_name=args.dataset_name,
+        dataset_path=args.dataset_path, num_prompts=args.num_prompts,
+        request_rate=args.request_rate, max_concurrency=args.max_concurrency,
+        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio, seed=args.seed,
+        tokenize_prompt=args.tokenize_prompt, warmup_requests=args.warmup_requests,
+        output_file=args.output_file, disable_tqdm=args.disable_tqdm))
+
+
+def cmd_bench_offline(args: argparse.Namespace) -> None:
+    from braid.bench.offline import run_bench_offline
+
+    run_bench_offline(engine_kwargs(args), args.dataset_name, args.num_prompts,
+                      args.random_input_len, args.random_output_len, args.random_range_ratio,
+                      args.dataset_path, args.seed, args.output_file)
+
+
+def add_dataset_args(parser: argparse.ArgumentParser) -> None:
+    """The request set of bench-serving and bench-offline (SGLang's flags and defaults)."""
+    from braid.bench.datasets import DATASETS
+
+    parser.add_argument("--dataset-name", choices=DATASETS, default="random-ids",
+                        help="random-ids: random token ids (no file); random: ShareGPT text "
+                             "cut to the drawn lengths; sharegpt: ShareGPT turns as they are")
+    parser.add_argument("--dataset-path", default=None, help="a ShareGPT JSON file")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--random-input-len", type=int, default=1024)
+    parser.add_argument("--random-output-len", type=int, default=1024)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+                        help="lengths are uniform in [len * ratio, len]; 1.0: exactly len")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--output-file", default=None, help="append one JSON line here")
+
+
 def cmd_bench_one_batch(args: argparse.Namespace) -> None:
     from braid.bench.one_batch import run_bench_one_batch
 
@@ -171,6 +210,31 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGINT/SIGTERM, seconds in-flight requests get to finish "
                             "before they are aborted")
     serve.set_defaults(func=cmd_serve)
+
+    serving = sub.add_parser("bench-serving",
+                             help="SGLang's bench_serving against an OpenAI-compatible server")
+    serving.add_argument("--base-url", default="http://127.0.0.1:30000")
+    serving.add_argument("--backend", choices=["braid", "sglang-oai", "vllm", "openai"],
+                         default="braid", help="openai: no ignore_eos in the requests")
+    serving.add_argument("--model", default=None, help="default: the server's first model")
+    serving.add_argument("--tokenizer", default=None,
+                         help="local GGUF file or model folder (default: the path the server "
+                              "reports for its model)")
+    add_dataset_args(serving)
+    serving.add_argument("--request-rate", type=float, default=float("inf"),
+                         help="requests per second, Poisson arrivals (inf: all at once)")
+    serving.add_argument("--max-concurrency", type=int, default=None)
+    serving.add_argument("--tokenize-prompt", action="store_true",
+                         help="send token ids instead of text, so prompt lengths are exact")
+    serving.add_argument("--warmup-requests", type=int, default=1)
+    serving.add_argument("--disable-tqdm", action="store_true")
+    serving.set_defaults(func=cmd_bench_serving)
+
+    offline = sub.add_parser("bench-offline",
+                             help="bench-serving's requests through the offline engine")
+    add_engine_args(offline)
+    add_dataset_args(offline)
+    offline.set_defaults(func=cmd_bench_offline)
 
     bench = sub.add_parser("bench-one-batch",
                            help="latency of one static batch: prefill, then decode steps")

@@ -77,3 +77,48 @@ def test_the_launching_process_exits_nonzero_within_10s():
     assert "injected failure on rank 1" in proc.stderr
     started = float(proc.stdout.split()[1])
     assert ended - started < 10
+
+
+def test_ranks_outlive_the_thread_that_started_them():
+    """Parent-death signals are per thread: ranks started from a thread that has ended must
+    keep serving (and still stop when the process that owns them does)."""
+    import threading
+
+    box = {}
+    starter = threading.Thread(target=lambda: box.update(group=RankGroup(2, rank_targets.echo)))
+    starter.start()
+    starter.join()
+    group = box["group"]
+    try:
+        assert group.gather(timeout=60) == ["ready", "ready"]
+        time.sleep(1.0)  # a parent-death signal would have fired by now
+        group.send_all(("value", 2))
+        assert group.gather(timeout=30) == [(0, 4.0), (1, 4.0)]
+    finally:
+        group.close()
+
+
+def test_ranks_exit_when_their_driver_is_killed():
+    script = textwrap.dedent("""
+        import sys, time
+        sys.path.insert(0, {tests!r})
+        import rank_targets
+        from braid.distributed.launch import RankGroup
+        if __name__ == "__main__":
+            group = RankGroup(2, rank_targets.echo)
+            group.gather()
+            print(*[p.pid for p in group.procs], flush=True)
+            time.sleep(600)
+    """).format(tests=str(TESTS))
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in driver.stdout.readline().split()]
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 5
+        while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+                  for pid in pids):
+            assert time.monotonic() < deadline, "ranks outlived their killed driver"
+            time.sleep(0.1)
+    finally:
+        driver.kill()

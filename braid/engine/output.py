@@ -5,8 +5,9 @@ and turn them into text pieces. Two things make this more than `decode`:
 - a token may end inside a UTF-8 character (byte-level BPE splits emoji and CJK characters);
   its bytes are held until the character is complete, so no piece carries a replacement
   character that the full text does not;
-- a stop string may span tokens; text that could still become the start of one is held back,
-  and the completion ends just before it (OpenAI's behaviour: the stop string is not output).
+- a stop string may span tokens; text that could still become the start of one (a suffix that
+  is a prefix of a stop string) is held back, and the completion ends just before the stop
+  string (OpenAI's behaviour: the stop string is not output).
 """
 
 from __future__ import annotations
@@ -57,10 +58,20 @@ class IncrementalDetokenizer:
             self._append(self._decode(self.ids[self.prefix_offset:])[len(prefix):], check_stop)
             self.read_offset = len(self.ids)
         done = final or self.stop_string is not None
-        end = len(self.text) if done else max(self.emitted, len(self.text) - self.hold)
+        end = len(self.text) if done else max(self.emitted, len(self.text) - self._held())
         piece = self.text[self.emitted:end]
         self.emitted = end
         return piece
+
+    def _held(self) -> int:
+        """Characters at the end of the text that could still begin a stop string."""
+        held = 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(self.text)), held, -1):
+                if self.text.endswith(stop[:k]):
+                    held = k
+                    break
+        return held
 
     def _append(self, piece: str, check_stop: bool) -> None:
         start = max(0, len(self.text) - self.hold)  # a stop string may begin in older text

@@ -1,0 +1,329 @@
+"""`braid bench-serving`: SGLang's bench_serving, against any OpenAI-compatible server.
+
+Requests (see `braid.bench.datasets`) arrive as a Poisson process at `--request-rate` (all at
+once for `inf`), at most `--max-concurrency` in flight, each a streamed `/v1/completions` call
+with `ignore_eos` so outputs have the requested lengths. Per request: TTFT (to the first chunk
+with text), ITL (between chunks with text), TPOT = (latency - TTFT) / (tokens - 1), E2E latency.
+The result block and the JSON line use SGLang's labels and key names; failed requests are
+counted and the first error printed, never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from braid.bench.datasets import BenchRequest, sample_requests
+from braid.config import UserError
+
+BACKENDS = ["braid", "sglang-oai", "vllm", "openai"]
+PERCENTILES = (90, 95, 99)
+
+
+@dataclass
+class ServingConfig:
+    """What `bench-serving` runs (its CLI flags)."""
+
+    base_url: str
+    backend: str = "braid"
+    model: str | None = None
+    tokenizer: str | None = None
+    dataset_name: str = "random-ids"
+    dataset_path: str | None = None
+    num_prompts: int = 100
+    request_rate: float = float("inf")
+    max_concurrency: int | None = None
+    random_input_len: int = 1024
+    random_output_len: int = 1024
+    random_range_ratio: float = 0.0
+    seed: int = 1
+    tokenize_prompt: bool = False
+    warmup_requests: int = 1
+    output_file: str | None = None
+    disable_tqdm: bool = False
+    timeout_s: float = 3600.0
+
+
+@dataclass
+class RequestResult:
+    """What one request measured (times in seconds from its own start)."""
+
+    prompt_len: int
+    output_len: int = 0
+    success: bool = False
+    generated_text: str = ""
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    start_time: float = 0.0
+    error: str = ""
+
+
+def _headers() -> dict[str, str]:
+    key = os.environ.get("OPENAI_API_KEY") or os.environ.get("API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def discover_model(client: httpx.Client, base_url: str) -> tuple[str, str | None]:
+    """The server's first model from `GET /v1/models`, and its local path if it gives one."""
+    try:
+        response = client.get(f"{base_url}/v1/models", headers=_headers())
+        response.raise_for_status()
+        entry = response.json()["data"][0]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise UserError(f"could not list the models of {base_url} ({e}); pass --model") from None
+    root = entry.get("root")
+    return entry["id"], root if root and Path(root).exists() else None
+
+
+def load_bench_tokenizer(path: str | None):
+    """The tokenizer of the served model, from a local path (never downloaded)."""
+    from braid.engine.tokenizer import load_tokenizer
+
+    if path is None:
+        raise UserError("the server does not say where its model is: pass --tokenizer, a local "
+                        "GGUF file or model folder")
+    if not Path(path).exists():
+        raise UserError(f"--tokenizer {path} does not exist (tokenizers are never downloaded)")
+    return load_tokenizer(path)
+
+
+async def send_request(client: httpx.AsyncClient, url: str, model: str, backend: str,
+                       request: BenchRequest, tokenize_prompt: bool) -> RequestResult:
+    """One streamed completion; its timings, text and reported token count."""
+    payload = {"model": model,
+               "prompt": request.prompt_ids if tokenize_prompt else request.prompt,
+               "temperature": 0.0, "max_tokens": request.output_len, "stream": True,
+               "stream_options": {"include_usage": True}}
+    if backend != "openai":
+        payload["ignore_eos"] = True
+    result = RequestResult(request.prompt_len)
+    start = time.perf_counter()
+    result.start_time = start
+    last = start
+    try:
+        async with client.stream("POST", url, json=payload, headers=_headers()) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body[:500]}"
+                return result
+            usage = None
+            async for line in response.aiter_lines():
+                line = line.strip()
+                if not line:
+                    continue
+                now = time.perf_counter()
+                result.latency = now - start
+                data = line.removeprefix("data: ")
+                if data == "[DONE]":
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", str(chunk["error"]))
+                    return result
+                usage = chunk.get("usage") or usage
+                text = chunk["choices"][0].get("text") if chunk.get("choices") else None
+                if text:
+                    if not result.generated_text:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    result.generated_text += text
+            result.output_len = (usage or {}).get("completion_tokens", request.output_len)
+            result.success = True
+    except Exception:  # noqa: BLE001 - a failed request is counted and reported, not fatal
+        result.error = traceback.format_exc(limit=2)
+    return result
+
+
+async def _arrivals(requests: list[BenchRequest], rate: float):
+    """Requests at Poisson arrival times (exponential gaps at `rate` per second)."""
+    for request in requests:
+        yield request
+        if rate != float("inf"):
+            await asyncio.sleep(np.random.exponential(1.0 / rate))
+
+
+async def run_requests(config: ServingConfig, model: str,
+                       requests: list[BenchRequest]) -> tuple[list[RequestResult], float]:
+    """Warm up, then run every request; the results and the benchmark's duration."""
+    url = f"{config.base_url}/v1/completions"
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=config.timeout_s, limits=limits) as client:
+        if config.warmup_requests:
+            print(f"Starting warmup with {config.warmup_requests} sequences...")
+            first = requests[0]
+            warm = BenchRequest(first.prompt, first.prompt_ids, min(first.output_len, 32))
+            results = await asyncio.gather(*(
+                send_request(client, url, model, config.backend, warm, config.tokenize_prompt)
+                for _ in range(config.warmup_requests)))
+            if not any(r.success for r in results):
+                raise UserError(f"warm-up failed; check the flags. Error: {results[0].error}")
+            print(f"Warmup completed with {config.warmup_requests} sequences. "
+                  "Starting main benchmark run...")
+            await asyncio.sleep(1.0)
+        semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency \
+            else None
+        progress = None if config.disable_tqdm else tqdm(total=len(requests))
+
+        async def limited(request: BenchRequest) -> RequestResult:
+            if semaphore is None:
+                result = await send_request(client, url, model, config.backend, request,
+                                            config.tokenize_prompt)
+            else:
+                async with semaphore:
+                    result = await send_request(client, url, model, config.backend, request,
+                                                config.tokenize_prompt)
+            if progress is not None:
+                progress.update(1)
+            return result
+
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(limited(r))
+                 async for r in _arrivals(requests, config.request_rate)]
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        if progress is not None:
+            progress.close()
+    return list(results), duration
+
+
+def compute_metrics(results: list[RequestResult], duration: float, tokenizer) -> dict:
+    """SGLang's metrics (see the module docstring), with p90/p95/p99 of every latency."""
+    ok = [r for r in results if r.success]
+    output_lens = [r.output_len for r in ok]
+    total_input = sum(r.prompt_len for r in ok)
+    total_output = sum(output_lens)
+    retokenized = sum(len(tokenizer.encode(r.generated_text, add_special_tokens=False))
+                      for r in ok)
+    e2e = [r.latency for r in ok]
+    ttfts = [r.ttft for r in ok]
+    tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    itls = [gap for r in ok for gap in r.itl]
+    metrics = {
+        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": total_input, "total_output_tokens": total_output,
+        "total_output_tokens_retokenized": retokenized,
+        "request_throughput": len(ok) / duration,
+        "input_throughput": total_input / duration,
+        "output_throughput": total_output / duration,
+        "total_throughput": (total_input + total_output) / duration,
+    }
+    for name, values in (("e2e_latency", e2e), ("ttft", ttfts), ("tpot", tpots),
+                         ("itl", itls)):
+        data = np.array(values or [0.0]) * 1000
+        metrics[f"mean_{name}_ms"] = float(data.mean())
+        metrics[f"median_{name}_ms"] = float(np.median(data))
+        metrics[f"std_{name}_ms"] = float(data.std())
+        for p in PERCENTILES:
+            metrics[f"p{p}_{name}_ms"] = float(np.percentile(data, p))
+        metrics[f"max_{name}_ms"] = float(data.max())
+    metrics["concurrency"] = sum(e2e) / duration
+    metrics["max_output_tokens_per_s"], metrics["max_concurrent_requests"] = _peaks(ok)
+    return metrics
+
+
+def _peaks(ok: list[RequestResult]) -> tuple[float, int]:
+    """Peak output chunks in any one-second bucket, and peak requests in flight (SGLang's
+    per-second buckets)."""
+    if not ok:
+        return 0.0, 0
+    origin = min(r.start_time for r in ok)
+    seconds = int(np.ceil(max(r.start_time + r.latency for r in ok) - origin)) + 1
+    tokens, active = np.zeros(seconds), np.zeros(seconds)
+    for r in ok:
+        times = r.start_time + r.ttft + np.concatenate([[0.0], np.cumsum(r.itl)])
+        np.add.at(tokens, (times - origin).astype(int), 1)
+        first, last = int(r.start_time - origin), int(r.start_time + r.latency - origin)
+        active[first:min(last, seconds - 1) + 1] += 1
+    return float(tokens.max()), int(active.max())
+
+
+def line(label: str, value) -> None:
+    """One line of a result block, as SGLang formats it."""
+    spec = "{:<40} {:<10.2f}" if isinstance(value, float) else "{:<40} {:<10}"
+    print(spec.format(label, value))
+
+
+def print_result(config: ServingConfig, metrics: dict) -> None:
+    """SGLang's "Serving Benchmark Result" block, with p90/p95 lines and max values added."""
+    def section(title: str, name: str, label: str) -> None:
+        print("{s:{c}^{n}}".format(s=title, n=50, c="-"))
+        line(f"Mean {label} (ms):", metrics[f"mean_{name}_ms"])
+        line(f"Median {label} (ms):", metrics[f"median_{name}_ms"])
+        for p in PERCENTILES:
+            line(f"P{p} {label} (ms):", metrics[f"p{p}_{name}_ms"])
+        line(f"Max {label} (ms):", metrics[f"max_{name}_ms"])
+
+    print("\n{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
+    line("Backend:", config.backend)
+    line("Traffic request rate:", config.request_rate)
+    line("Max request concurrency:", config.max_concurrency or "not set")
+    line("Successful requests:", metrics["completed"])
+    line("Failed requests:", metrics["failed"])
+    line("Benchmark duration (s):", metrics["duration"])
+    line("Total input tokens:", metrics["total_input_tokens"])
+    line("Total generated tokens:", metrics["total_output_tokens"])
+    line("Total generated tokens (retokenized):", metrics["total_output_tokens_retokenized"])
+    line("Request throughput (req/s):", metrics["request_throughput"])
+    line("Input token throughput (tok/s):", metrics["input_throughput"])
+    line("Output token throughput (tok/s):", metrics["output_throughput"])
+    line("Peak output token throughput (tok/s):", metrics["max_output_tokens_per_s"])
+    line("Peak concurrent requests:", metrics["max_concurrent_requests"])
+    line("Total token throughput (tok/s):", metrics["total_throughput"])
+    line("Concurrency:", metrics["concurrency"])
+    section("End-to-End Latency", "e2e_latency", "E2E Latency")
+    section("Time to First Token", "ttft", "TTFT")
+    section("Time per Output Token (excl. 1st token)", "tpot", "TPOT")
+    section("Inter-Token Latency", "itl", "ITL")
+    print("=" * 50)
+
+
+def run_bench_serving(config: ServingConfig) -> dict:
+    """Run the benchmark; print the result block; append the JSON line; return it."""
+    if config.backend not in BACKENDS:
+        raise UserError(f"--backend must be one of {', '.join(BACKENDS)}")
+    if config.request_rate <= 0:
+        raise UserError("--request-rate must be > 0 (or inf)")
+    if config.max_concurrency is not None and config.max_concurrency < 1:
+        raise UserError("--max-concurrency must be at least 1")
+    config.base_url = config.base_url.rstrip("/")
+    with httpx.Client(timeout=30) as client:
+        model, root = discover_model(client, config.base_url)
+    model = config.model or model
+    tokenizer = load_bench_tokenizer(config.tokenizer or root)
+    requests = sample_requests(config.dataset_name, config.num_prompts, tokenizer,
+                               input_len=config.random_input_len,
+                               output_len=config.random_output_len,
+                               range_ratio=config.random_range_ratio,
+                               dataset_path=config.dataset_path, seed=config.seed)
+    print(f"#Input tokens: {sum(r.prompt_len for r in requests)}")
+    print(f"#Output tokens: {sum(r.output_len for r in requests)}")
+    results, duration = asyncio.run(run_requests(config, model, requests))
+    failures = [r for r in results if not r.success]
+    if failures:
+        print(f"{len(failures)} of {len(results)} requests failed; the first error:\n"
+              f"{failures[0].error}", file=sys.stderr)
+    metrics = compute_metrics(results, duration, tokenizer)
+    print_result(config, metrics)
+    row = {"backend": config.backend, "dataset_name": config.dataset_name,
+           "request_rate": config.request_rate, "max_concurrency": config.max_concurrency,
+           "random_input_len": config.random_input_len,
+           "random_output_len": config.random_output_len,
+           "random_range_ratio": config.random_range_ratio, "num_prompts": config.num_prompts,
+           "model": model, **metrics}
+    if config.output_file:
+        with open(config.output_file, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
