@@ -153,3 +153,15 @@ def test_bench_overlap_modes_report_exposed_comm_and_crossover(tmp_path: Path):
     assert "set --overlap-min-tokens" in sweep.stdout
     rows = [json.loads(line) for line in result_file.read_text().splitlines()]
     assert len(rows) == 4 and all("auto_over_best" in r for r in rows)
+
+
+def test_bench_offline_runs_the_serving_requests(tmp_path: Path):
+    out = tmp_path / "offline.jsonl"
+    result = braid("bench-offline", "--tp", "2", "--num-prompts", "5", "--random-input-len", "20",
+                   "--random-output-len", "3", "--random-range-ratio", "1.0", "--output-file",
+                   str(out))
+    assert result.returncode == 0, result.stderr
+    assert "Offline Throughput Benchmark Result" in result.stdout
+    row = json.loads(out.read_text())
+    assert row["completed"] == 5 and row["total_output_tokens"] == 15
+    assert row["total_input_tokens"] == 100 and row["output_throughput"] > 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import subprocess
@@ -236,6 +237,37 @@ def test_models_health_tokenize_and_metrics(server, client, model):
                  "braid:engine_steps_dp_linear_total"):
         assert name in exposition, name
     assert metric(server, "braid:generation_tokens_total") > 0
+
+
+SERVING_KEYS = {"backend", "completed", "total_input_tokens", "total_output_tokens",
+                "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                "mean_itl_ms", "p95_itl_ms", "p99_itl_ms", "mean_tpot_ms", "mean_e2e_latency_ms",
+                "concurrency", "max_output_tokens_per_s", "max_concurrent_requests"}
+
+
+def test_bench_serving_prints_sglangs_block_and_counts_failures(server, tmp_path):
+    def bench(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "braid.cli", "bench-serving", "--base-url", server.base_url,
+             "--num-prompts", "6", "--random-output-len", "4", "--random-range-ratio", "1.0",
+             "--max-concurrency", "3", "--output-file", str(out), *args],
+            capture_output=True, text=True, timeout=300, env={**os.environ,
+                                                              "OPENAI_API_KEY": KEY})
+
+    out = tmp_path / "serving.jsonl"
+    ok = bench("--random-input-len", "16", "--tokenize-prompt")
+    assert ok.returncode == 0, ok.stderr
+    labels = [line.split(":")[0] for line in ok.stdout.splitlines() if ":" in line]
+    assert labels.index("Successful requests") < labels.index("Output token throughput (tok/s)")
+    assert "Max ITL (ms)" in labels and "P90 TTFT (ms)" in labels
+    row = json.loads(out.read_text().splitlines()[-1])
+    assert SERVING_KEYS <= set(row)
+    assert row["completed"] == 6 and row["total_output_tokens"] == 24
+    assert row["total_input_tokens"] == 6 * 16
+    failed = bench("--random-input-len", "9000", "--warmup-requests", "0")
+    assert failed.returncode == 0, failed.stderr
+    assert "6 of 6 requests failed" in failed.stderr and "context" in failed.stderr
+    assert json.loads(out.read_text().splitlines()[-1])["completed"] == 0
 
 
 def test_sigterm_stops_the_server_cleanly(server):

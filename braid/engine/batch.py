@@ -93,7 +93,8 @@ class StepResult:
 
 @dataclass
 class AttentionMetadata:
-    """Index tensors for attention over the paged KV cache, built once per step for all layers.
+    """Index tensors for attention over the paged KV cache, built once per step for all layers
+    (for one group of sequences, see `AttentionGroup`).
 
     Sequences are laid out padded, [B, max_q] queries against [B, blocks * block_size] keys
     gathered block by block through the block tables. When every sequence is a fresh prompt of
@@ -110,16 +111,24 @@ class AttentionMetadata:
     mask: torch.Tensor | None  # [B, 1, max_q, blocks * block_size] bool, True = attend
 
 
-def build_attention_metadata(plan: StepPlan, block_size: int,
-                             device: torch.device) -> AttentionMetadata:
-    """Index tensors and mask for one step; keys past a sequence's length are masked out."""
-    q_lens = torch.from_numpy(plan.q_lens)
-    kv_lens = torch.from_numpy(plan.kv_lens)
-    batch, max_q = len(plan.q_lens), int(q_lens.max())
+@dataclass
+class AttentionGroup:
+    """Sequences that attend together: the step's tokens `tokens` and their metadata."""
+
+    tokens: slice
+    meta: AttentionMetadata
+
+
+def build_attention_metadata(q_lens: np.ndarray, kv_lens: np.ndarray, block_tables: np.ndarray,
+                             block_size: int, device: torch.device) -> AttentionMetadata:
+    """Index tensors and mask for sequences that attend together; keys past a sequence's length
+    are masked out."""
+    q_lens, kv_lens = torch.from_numpy(q_lens), torch.from_numpy(kv_lens)
+    batch, max_q = len(q_lens), int(q_lens.max())
     if bool((q_lens == kv_lens).all()) and bool((q_lens == max_q).all()):
         return AttentionMetadata(batch, max_q, True, None, None, None, None)
     num_blocks = -(-int(kv_lens.max()) // block_size)
-    tables = torch.from_numpy(plan.block_tables[:, :num_blocks])
+    tables = torch.from_numpy(block_tables[:, :num_blocks])
     j = torch.arange(num_blocks * block_size)
     i = torch.arange(max_q)
     query_valid = i[None, :] < q_lens[:, None]  # [B, max_q]
@@ -137,6 +146,27 @@ def build_attention_metadata(plan: StepPlan, block_size: int,
                              mask[:, None].to(device))
 
 
+def build_attention_groups(plan: StepPlan, block_size: int,
+                           device: torch.device) -> list[AttentionGroup]:
+    """One group for the whole step, or two when decode rows (one query each) come first and
+    prompt rows after, as the scheduler orders a mixed step: padded to the prompts' longest
+    chunk, every decode row would otherwise cost as much attention as a whole chunk."""
+    decodes = int(np.argmin(plan.q_lens == 1)) if (plan.q_lens > 1).any() else 0
+    if decodes == 0 or (plan.q_lens[decodes:] == 1).any():
+        cuts = [(0, len(plan.q_lens))]
+    else:
+        cuts = [(0, decodes), (decodes, len(plan.q_lens))]
+    groups, start = [], 0
+    for first, last in cuts:
+        count = int(plan.q_lens[first:last].sum())
+        groups.append(AttentionGroup(
+            slice(start, start + count),
+            build_attention_metadata(plan.q_lens[first:last], plan.kv_lens[first:last],
+                                     plan.block_tables[first:last], block_size, device)))
+        start += count
+    return groups
+
+
 class ForwardBatch:
     """A StepPlan as tensors on this rank's device, passed explicitly to every layer."""
 
@@ -145,7 +175,7 @@ class ForwardBatch:
         self.input_ids = torch.from_numpy(plan.input_ids).to(device)
         self.positions = torch.from_numpy(plan.positions).to(device)
         self.slot_mapping = torch.from_numpy(plan.slot_mapping).to(device)
-        self.attn = build_attention_metadata(plan, block_size, device)
+        self.attn_groups = build_attention_groups(plan, block_size, device)
         self.dp_linear = plan.dp_linear
         self.logits_index = (None if plan.logit_rows is None
                              else torch.from_numpy(plan.logit_rows).to(device))

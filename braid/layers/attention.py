@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from braid.engine.batch import ForwardBatch
+from braid.engine.batch import AttentionMetadata, ForwardBatch
 
 
 class PagedAttention(nn.Module):
@@ -37,7 +37,12 @@ class PagedAttention(nn.Module):
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
         self.k_cache.view(-1, *k.shape[1:])[batch.slot_mapping] = k
         self.v_cache.view(-1, *v.shape[1:])[batch.slot_mapping] = v
-        meta = batch.attn
+        return torch.cat([self._attend(q[g.tokens], k[g.tokens], v[g.tokens], g.meta)
+                          for g in batch.attn_groups])
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """One group of sequences (see `AttentionGroup`)."""
         b, max_q = meta.batch_size, meta.max_q
         gqa = self.num_heads != self.num_kv_heads
         if meta.fresh_causal:
@@ -46,7 +51,7 @@ class PagedAttention(nn.Module):
                 k.view(b, max_q, -1, self.head_dim).transpose(1, 2),
                 v.view(b, max_q, -1, self.head_dim).transpose(1, 2),
                 is_causal=True, enable_gqa=gqa)
-            return out.transpose(1, 2).reshape(batch.num_tokens, -1)
+            return out.transpose(1, 2).reshape(q.shape[0], -1)
         q_padded = q if meta.q_gather is None else q[meta.q_gather]
         keys = gather_blocks(self.k_cache, meta.block_tables).transpose(1, 2)  # [B, kv, keys, D]
         values = gather_blocks(self.v_cache, meta.block_tables).transpose(1, 2)

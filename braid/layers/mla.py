@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from braid.engine.batch import ForwardBatch
+from braid.engine.batch import AttentionMetadata, ForwardBatch
 from braid.layers.attention import gather_blocks
 
 
@@ -49,7 +49,13 @@ class LatentAttention(nn.Module):
         (the step's new tokens), kv_b_weight: [heads * (nope + v), kv_lora] for this rank's
         heads -> [T, heads * v]."""
         self.cache.view(-1, latent.shape[-1])[batch.slot_mapping] = latent
-        meta = batch.attn
+        kv_b = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return torch.cat([self._attend(q_nope[g.tokens], q_rope[g.tokens], latent[g.tokens], kv_b,
+                                       g.meta) for g in batch.attn_groups])
+
+    def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                kv_b: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One group of sequences (see `AttentionGroup`): absorbed for decode rows."""
         absorbed = self.mode == "absorbed" or (self.mode == "auto" and meta.max_q == 1)
         if meta.fresh_causal:
             keys = latent.view(meta.batch_size, meta.max_q, -1)  # the new tokens are all keys
@@ -57,7 +63,6 @@ class LatentAttention(nn.Module):
             keys = gather_blocks(self.cache, meta.block_tables)  # [B, keys, kv_lora + rope]
             if meta.q_gather is not None:
                 q_nope, q_rope = q_nope[meta.q_gather], q_rope[meta.q_gather]
-        kv_b = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         if absorbed:
             out = self._absorbed(q_nope, q_rope, keys, kv_b, meta)
         else:
