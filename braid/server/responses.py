@@ -1,0 +1,211 @@
+"""OpenAI response bodies and SSE streams, built from a request's text events: completions
+(choices indexed prompt * n + completion, echo, the legacy logprobs object) and chat
+completions (message / delta, the `content` logprobs list)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from braid.engine.request import TokenLogprob
+from braid.server.async_engine import EngineDead
+from braid.server.generation import PromptRun, TextEvent, usage
+from braid.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+
+def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events in OpenAI's format, ending with `data: [DONE]`."""
+
+    async def lines() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+        except EngineDead as e:
+            yield f"data: {json.dumps(error_body(f'the engine stopped: {e}', 'server_error'))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream")
+
+
+class TokenText:
+    """Token strings for logprobs, cached by id."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+class _Responder:
+    """Shared by the completions and chat responders: ids, timestamps, error chunks."""
+
+    object_name = ""
+
+    def __init__(self, tokenizer, model_name: str, body, runs: list[PromptRun]) -> None:
+        self.model_name, self.request, self.runs = model_name, body, runs
+        self.id = runs[0].request_id.rsplit("-", 1)[0]
+        self.created = int(time.time())
+        self.token_text = TokenText(tokenizer)
+
+    def envelope(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": self.object_name, "created": self.created,
+                "model": self.model_name, "choices": choices, **extra}
+
+    def include_usage(self) -> bool:
+        return bool(self.request.stream_options and self.request.stream_options.include_usage)
+
+    def error_chunk(self, event: TextEvent) -> dict | None:
+        if event.state.finish_reason == "error":
+            return error_body(f"generation failed: {event.state.error}", "server_error")
+        return None
+
+
+class CompletionResponder(_Responder):
+    """`/v1/completions` responses: choices indexed prompt * n + completion."""
+
+    object_name = "text_completion"
+
+    def __init__(self, tokenizer, model_name: str, body: CompletionRequest,
+                 runs: list[PromptRun], texts: list[str | None]) -> None:
+        super().__init__(tokenizer, model_name, body, runs)
+        self.prompt_texts = [t if t is not None else tokenizer.decode(run.prompt_ids)
+                             for t, run in zip(texts, runs)]
+
+    def choice_index(self, prompt_index: int, state) -> int:
+        return prompt_index * self.request.n + state.index
+
+    def response(self) -> dict:
+        choices = []
+        for i, run in enumerate(self.runs):
+            for state in run.states:
+                text = (self.prompt_texts[i] if self.request.echo else "") + state.text
+                logprobs = None
+                if self.request.logprobs is not None:
+                    entries = self._prompt_entries(run) + list(state.logprobs)
+                    logprobs = self._logprobs(entries, 0)
+                choices.append({"index": self.choice_index(i, state), "text": text,
+                                "logprobs": logprobs, "finish_reason": state.finish_reason,
+                                "stop_reason": state.stop_reason})
+        return self.envelope(choices, usage=usage(self.runs))
+
+    async def chunks(self, events: AsyncIterator[TextEvent]) -> AsyncIterator[dict]:
+        offsets: dict[int, int] = {}
+        pending: dict[int, list] = {}  # logprobs of tokens whose text is held back
+        async for event in events:
+            if (error := self.error_chunk(event)) is not None:
+                yield error
+                continue
+            index = self.choice_index(event.prompt_index, event.state)
+            text = event.text
+            entries = pending.setdefault(index, [])
+            if index not in offsets:  # the first chunk of a choice carries the echo
+                offsets[index] = 0
+                if self.request.echo:
+                    text = self.prompt_texts[event.prompt_index] + text
+                    entries += self._prompt_entries(event.run)
+            entries += event.logprobs
+            finish = event.state.finish_reason
+            if not text and finish is None:
+                continue
+            logprobs = None
+            if self.request.logprobs is not None:
+                logprobs = self._logprobs(entries, offsets[index])
+                offsets[index] += sum(len(t) for t in logprobs["tokens"])
+            pending[index] = []
+            yield self.envelope([{"index": index, "text": text, "logprobs": logprobs,
+                                  "finish_reason": finish,
+                                  "stop_reason": event.state.stop_reason if finish else None}])
+        if self.include_usage():
+            yield self.envelope([], usage=usage(self.runs))
+
+    def _prompt_entries(self, run: PromptRun) -> list:
+        """Echo: (token id, entry) of every prompt token; the first has no logprob."""
+        if not self.request.echo:
+            return []
+        entries = run.prompt_logprobs or [None] * len(run.prompt_ids)
+        return list(zip(run.prompt_ids, entries))
+
+    def _logprobs(self, entries: list, offset: int) -> dict:
+        """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset.
+        `entries` are generated `TokenLogprob`s or (token id, entry or None) for the prompt."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for item in entries:
+            token_id, entry = ((item.token_id, item) if isinstance(item, TokenLogprob)
+                               else item)
+            token = self.token_text(token_id)
+            out["tokens"].append(token)
+            out["text_offset"].append(offset)
+            offset += len(token)
+            if entry is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(entry.logprob)
+            top = {self.token_text(t): lp for t, lp in entry.top}
+            top.setdefault(token, entry.logprob)
+            out["top_logprobs"].append(top)
+        return out
+
+
+class ChatResponder(_Responder):
+    """`/v1/chat/completions` responses."""
+
+    def __init__(self, tokenizer, model_name: str, body: ChatCompletionRequest,
+                 runs: list[PromptRun]) -> None:
+        super().__init__(tokenizer, model_name, body, runs)
+        self.object_name = "chat.completion.chunk" if body.stream else "chat.completion"
+
+    def response(self) -> dict:
+        choices = []
+        for state in self.runs[0].states:
+            choices.append({
+                "index": state.index,
+                "message": {"role": "assistant", "content": state.text},
+                "logprobs": self._logprobs(state.logprobs) if self.request.logprobs else None,
+                "finish_reason": state.finish_reason, "stop_reason": state.stop_reason})
+        return self.envelope(choices, usage=usage(self.runs))
+
+    async def chunks(self, events: AsyncIterator[TextEvent]) -> AsyncIterator[dict]:
+        started: set[int] = set()
+        pending: dict[int, list] = {}
+        async for event in events:
+            if (error := self.error_chunk(event)) is not None:
+                yield error
+                continue
+            index = event.state.index
+            if index not in started:  # OpenAI opens each choice with the role
+                started.add(index)
+                yield self.envelope([{"index": index, "delta": {"role": "assistant",
+                                                                "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
+            entries = pending.setdefault(index, [])
+            entries += event.logprobs
+            finish = event.state.finish_reason
+            if not event.text and finish is None:
+                continue
+            pending[index] = []
+            delta = {"content": event.text} if event.text else {}
+            yield self.envelope([{
+                "index": index, "delta": delta,
+                "logprobs": self._logprobs(entries) if self.request.logprobs else None,
+                "finish_reason": finish,
+                "stop_reason": event.state.stop_reason if finish else None}])
+        if self.include_usage():
+            yield self.envelope([], usage=usage(self.runs))
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict:
+        def item(token_id: int, logprob: float) -> dict:
+            token = self.token_text(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {"content": [
+            {**item(e.token_id, e.logprob),
+             "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
