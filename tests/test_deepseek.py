@@ -135,6 +135,23 @@ def test_absorbed_attention_equals_expanded(v3_runner, deepseek_prompts):
     assert executor.kinds == {"decode", "prefill"}
 
 
+def test_prefix_cache_shares_latent_blocks(v3_runner, deepseek_prompts):
+    """Prompts that share a prefix read its latents from the cache and generate what they
+    generate without the cache."""
+    shared = deepseek_prompts[-1][:40]
+    prompts = [shared + p[:7] for p in deepseek_prompts]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=6)
+    outputs = {}
+    for caching in (False, True):
+        config = EngineConfig(model=v3_runner.engine.model, dtype="fp32", max_total_tokens=4096,
+                              prefix_caching=caching)
+        core = EngineCore(config, v3_runner.config, RunnerExecutor(v3_runner))
+        outputs[caching] = [run_requests(core, [p], params)[0] for p in prompts]
+        hits = core.scheduler.prefix_hits
+    assert outputs[True] == outputs[False]
+    assert hits >= (len(prompts) - 1) * 32  # two full blocks of the shared prefix each
+
+
 @pytest.mark.parametrize("method,scoring,norm", [
     ("greedy", "softmax", False), ("group_limited_greedy", "softmax", False),
     ("noaux_tc", "sigmoid", True), ("noaux_tc", "sigmoid", False),

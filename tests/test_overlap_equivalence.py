@@ -54,3 +54,16 @@ def test_the_cases_really_split(prompt_ids):
     assert split_step(plan_for(prompt_ids)).a_ends_mid_sequence
     assert not split_step(plan_for([prompt_ids[2], prompt_ids[2][::-1]])).a_ends_mid_sequence
     assert split_step(plan_for([prompt_ids[3]])).a_ends_mid_sequence
+
+
+def test_overlap_splits_mixed_steps_without_changing_tokens(model_path, prompt_ids):
+    """A small step budget makes steps that carry decodes beside prompt chunks; overlapping
+    every step (its two micro-batches each with their decode and prompt groups) must give the
+    tokens of the plain path."""
+    prompts = [prompt_ids[3], prompt_ids[1], prompt_ids[2], prompt_ids[3][5:]]
+    with LLM(model_path, tp=2, dtype="fp32", prefix_caching=False,
+             max_num_batched_tokens=24) as llm:
+        off = greedy_with(llm, "off", prompts)
+        before = llm.core.num_steps_overlap
+        assert greedy_with(llm, "on", prompts) == off
+        assert llm.core.num_steps_overlap > before
