@@ -97,3 +97,20 @@ def shm_then_raise(rank, world_size, conn, segment):
     if rank == 1:
         raise RuntimeError("injected failure on rank 1")
     conn.recv()
+
+
+def shm_chunked_beside_outstanding(rank, world_size, conn, segment):
+    """A collective chunked into more pieces than there are slots, run while another one is
+    posted and not yet waited (two-batch overlap's order): must finish, not wait for itself."""
+    from braid.distributed.shm import ShmCommunicator
+
+    shm = ShmCommunicator(rank, segment, timeout_s=5.0)
+    held = shm.all_reduce_async(torch.full((8,), float(rank + 1)))
+    part = torch.full((3 * segment.num_slots * segment.slot_bytes // 4,), float(rank))
+    gathered = shm.all_gather(part)
+    reduced = held.wait()
+    ok = torch.equal(gathered, torch.cat([torch.full_like(part, r) for r in range(world_size)]))
+    ok &= bool((reduced == sum(range(1, world_size + 1))).all())
+    shm.close()
+    conn.send(("ok", bool(ok)))
+    conn.recv()

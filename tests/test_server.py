@@ -125,6 +125,17 @@ def test_echo_logprobs_score_the_prompt(client, model):
     assert logprobs.text_offset[1] == len(logprobs.tokens[0])
 
 
+def test_echo_logprobs_of_a_long_prompt_under_two_batch_overlap(client, model):
+    """1500 prompt tokens: the step is overlapped (auto, from 1024 tokens) and its logits
+    gather is chunked through the shm ring beside the other micro-batch's all-reduce."""
+    prompt = list(range(1000, 2500))
+    response = client.completions.create(model=model, prompt=prompt, max_tokens=1, echo=True,
+                                         logprobs=0, temperature=0)
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == 1501 and logprobs.token_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+
+
 def test_64_concurrent_streams_complete_with_correct_usage(server, model):
     async def one(client, i: int) -> tuple[int, int, str]:
         stream = await client.completions.create(

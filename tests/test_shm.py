@@ -42,6 +42,17 @@ def test_four_outstanding_operations_complete_in_order(world_size):
         group.close()
 
 
+def test_a_collective_longer_than_the_ring_beside_an_outstanding_one_completes():
+    """The deadlock of two-batch overlap with long prompt logprobs: 12 chunks through 4 slots
+    while another micro-batch's all-reduce holds one of them."""
+    group, _ = launch(2, rank_targets.shm_chunked_beside_outstanding, num_slots=4,
+                      slot_bytes=4096)
+    try:
+        assert group.gather(timeout=60) == [True, True]
+    finally:
+        group.close()
+
+
 def test_a_missing_rank_times_out_with_its_name():
     group, _ = launch(2, rank_targets.shm_rank_1_absent)
     try:

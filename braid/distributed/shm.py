@@ -2,12 +2,18 @@
 
 One file in /dev/shm per launch holds, for every rank, a ring of slots. An operation gets the next
 operation number k (every rank issues collectives in the same order, so k agrees across ranks)
-and uses slot k % num_slots:
+and the next slot in round-robin order that this rank has not posted into and left unreleased.
+Every rank posts and waits in the same program order, so every rank picks the same slot for k:
 
-- `post`: wait until every rank has released the slot's previous use (operation k - num_slots),
-  copy this rank's data into its slot, then publish k in the slot's header.
+- `post`: wait until every rank has released the slot's previous use, copy this rank's data
+  into its slot, then publish k in the slot's header.
 - `wait`: spin until every rank has published k, reduce (or gather) all ranks' slots into the
   output, then release the slot by writing k as this rank's consumed mark.
+
+A slot still held by a posted, unwaited operation (the other micro-batch's all-reduce under
+two-batch overlap) is never picked, so a collective chunked into more pieces than there are
+slots cycles through the free ones instead of waiting for a slot only its own caller can
+release (which deadlocked).
 
 Between the two, the caller computes (two-batch overlap runs the other micro-batch there), so the
 wait is usually free. Tensors larger than a slot go in chunks, one operation each. Reductions run
@@ -114,6 +120,10 @@ class ShmCommunicator(Communicator):
         self._spin_words = [[[self._word(r, slot, field) for r in range(world)]
                              for slot in range(slots)] for field in (_PUBLISHED, _CONSUMED)]
         self._next_op = 1
+        self._slot_of: dict[int, int] = {}  # posted, unreleased operation -> its slot
+        self._held: set[int] = set()  # their slots
+        self._last_op = [0] * slots  # the latest operation each slot carried
+        self._last_slot = slots - 1
 
     def _word(self, rank: int, slot: int, field: int) -> int:
         return (rank * self.segment.num_slots + slot) * _HEADER_WORDS + field
@@ -141,9 +151,21 @@ class ShmCommunicator(Communicator):
         """Copy a chunk (at most a slot) into this rank's next slot and publish it."""
         op = self._next_op
         self._next_op += 1
-        slot = op % self.segment.num_slots
-        if op > self.segment.num_slots:  # the slot's previous use must be released everywhere
-            self._spin(slot, _CONSUMED, op - self.segment.num_slots)
+        # Round robin over the slots, skipping held ones: a rank ahead of its peers can post
+        # while they still read the slots of its previous operations.
+        slot = self._last_slot
+        for _ in range(self.segment.num_slots):
+            slot = (slot + 1) % self.segment.num_slots
+            if slot not in self._held:
+                break
+        else:
+            raise RuntimeError(f"more than {self.segment.num_slots} shm collectives in flight")
+        # The slot's previous use must be released everywhere.
+        self._spin(slot, _CONSUMED, self._last_op[slot])
+        self._slot_of[op] = slot
+        self._held.add(slot)
+        self._last_op[slot] = op
+        self._last_slot = slot
         if chunk.numel():
             self._views(chunk.dtype, tuple(chunk.shape))[self.rank][slot].copy_(chunk)
         self._header[self._word(self.rank, slot, _PUBLISHED)] = op
@@ -152,12 +174,14 @@ class ShmCommunicator(Communicator):
     def _arrived(self, op: int, dtype: torch.dtype,
                  shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
         """Wait for every rank's chunk of `op`; views of them (valid until `_release`)."""
-        slot = op % self.segment.num_slots
+        slot = self._slot_of[op]
         self._spin(slot, _PUBLISHED, op)
         return [self._views(dtype, shape)[r][slot] for r, shape in enumerate(shapes)]
 
     def _release(self, op: int) -> None:
-        self._header[self._word(self.rank, op % self.segment.num_slots, _CONSUMED)] = op
+        slot = self._slot_of.pop(op)
+        self._held.discard(slot)
+        self._header[self._word(self.rank, slot, _CONSUMED)] = op
 
     def _spin(self, slot: int, field: int, value: int) -> None:
         """Until every rank's header field for `slot` reaches `value`; spin, then yield."""
