@@ -124,7 +124,8 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
         random_input_len=args.random_input_len, random_output_len=args.random_output_len,
         random_range_ratio=args.random_range_ratio, seed=args.seed,
         tokenize_prompt=args.tokenize_prompt, warmup_requests=args.warmup_requests,
-        output_file=args.output_file, disable_tqdm=args.disable_tqdm))
+        output_file=args.output_file, plot=args.plot, tag=args.tag,
+        disable_tqdm=args.disable_tqdm))
 
 
 def cmd_bench_offline(args: argparse.Namespace) -> None:
@@ -132,7 +133,24 @@ def cmd_bench_offline(args: argparse.Namespace) -> None:
 
     run_bench_offline(engine_kwargs(args), args.dataset_name, args.num_prompts,
                       args.random_input_len, args.random_output_len, args.random_range_ratio,
-                      args.dataset_path, args.seed, args.output_file)
+                      args.dataset_path, args.seed, args.output_file, args.tag)
+
+
+def cmd_plot(args: argparse.Namespace) -> None:
+    from braid.bench.plots import plot_results
+
+    kinds = plot_results(args.files, args.out)
+    print(f"wrote {args.out} ({', '.join(kinds)})")
+
+
+def cmd_eval_mmlu(args: argparse.Namespace) -> None:
+    from braid.eval.mmlu import run_eval_mmlu
+
+    engine = engine_kwargs(args)
+    engine["model"] = engine["model"] or default_model_path()
+    run_eval_mmlu(args.data_dir, args.subjects, args.num_shots, args.limit, args.backend,
+                  engine, args.base_url, args.served_model, args.tokenizer, args.concurrency,
+                  args.output_file)
 
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
@@ -150,6 +168,8 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
                         help="lengths are uniform in [len * ratio, len]; 1.0: exactly len")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--output-file", default=None, help="append one JSON line here")
+    parser.add_argument("--tag", default=None,
+                        help="a label for this run in the JSON line (and in braid plot)")
 
 
 def cmd_bench_one_batch(args: argparse.Namespace) -> None:
@@ -227,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--tokenize-prompt", action="store_true",
                          help="send token ids instead of text, so prompt lengths are exact")
     serving.add_argument("--warmup-requests", type=int, default=1)
+    serving.add_argument("--plot", default=None, metavar="F.png",
+                         help="plot this run: TTFT and ITL distributions, output over time")
     serving.add_argument("--disable-tqdm", action="store_true")
     serving.set_defaults(func=cmd_bench_serving)
 
@@ -235,6 +257,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(offline)
     add_dataset_args(offline)
     offline.set_defaults(func=cmd_bench_offline)
+
+    plot = sub.add_parser("plot", help="bar charts across the rows of result JSONL files")
+    plot.add_argument("files", nargs="+", metavar="FILE.jsonl",
+                      help="bench-one-batch, bench-serving, bench-offline or eval-mmlu rows")
+    plot.add_argument("--out", required=True, metavar="F.png")
+    plot.set_defaults(func=cmd_plot)
+
+    mmlu = sub.add_parser("eval-mmlu", help="MMLU accuracy (original 5-shot prompt)")
+    add_engine_args(mmlu)
+    mmlu.add_argument("--data-dir", required=True,
+                      help="MMLU folder with dev/ and test/ CSV files")
+    mmlu.add_argument("--subjects", default="all", help="all, or comma-separated subjects")
+    mmlu.add_argument("--num-shots", type=int, default=5)
+    mmlu.add_argument("--limit", type=int, default=None,
+                      help="first N test questions of each subject")
+    mmlu.add_argument("--backend", choices=["braid", "hf", "openai"], default="braid",
+                      help="hf: transformers on the same weights; openai: a server's prompt "
+                           "logprobs (--base-url)")
+    mmlu.add_argument("--base-url", default=None, help="the server, for --backend openai")
+    mmlu.add_argument("--served-model", default=None,
+                      help="--backend openai: the model name (default: the server's first)")
+    mmlu.add_argument("--tokenizer", default=None,
+                      help="--backend openai: local tokenizer path (default: the server's)")
+    mmlu.add_argument("--concurrency", type=int, default=8,
+                      help="--backend openai: questions in flight")
+    mmlu.add_argument("--output-file", default=None,
+                      help="append the run (every answer) as a JSON line; runs in the file "
+                           "are compared")
+    mmlu.set_defaults(func=cmd_eval_mmlu)
 
     bench = sub.add_parser("bench-one-batch",
                            help="latency of one static batch: prefill, then decode steps")

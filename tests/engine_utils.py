@@ -91,7 +91,7 @@ def fake_next_token(context: np.ndarray) -> int:
 def fake_core(nan_tokens: tuple[int, ...] = (), **engine_args) -> tuple[EngineCore, FakeRunner]:
     """An engine core over `FakeRunner` (context 4096 tokens)."""
     config = EngineConfig(model="fake", dtype="fp32", **engine_args)
-    model = ModelConfig("Fake", FAKE_VOCAB, 8, 8, 1, 1, 1, 8, 1e-6, 1e4, 4096, False,
+    model = ModelConfig("LlamaForCausalLM", FAKE_VOCAB, 8, 8, 1, 1, 1, 8, 1e-6, 1e4, 4096, False,
                         eos_token_ids=(FAKE_EOS,))
     runner = FakeRunner(config, nan_tokens)
     return EngineCore(config, model, runner), runner

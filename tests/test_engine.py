@@ -115,7 +115,7 @@ def sampling_batch(n, temperature=1.0, top_k=0, top_p=1.0, seed=None, position=0
                    penalties=None, banned=()):
     return SamplingBatch(np.full(n, temperature, np.float32), np.full(n, top_k, np.int64),
                          np.full(n, top_p, np.float32), np.full(n, min_p, np.float32),
-                         [seed] * n, np.full(n, position), np.full(n, -1),
+                         [seed] * n, np.full(n, position), np.full(n, -1), [()] * n,
                          penalties or [None] * n, [banned] * n)
 
 
@@ -189,3 +189,6 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits():
     assert entry.token_id == 2 and abs(entry.logprob - expected[2].item()) < 1e-6
     assert [t for t, _ in entry.top] == [1, 2]
     assert token_logprobs(logits, [2], [-1]) == [None]
+    (scored,) = token_logprobs(logits, [1], [-1], [(3, 0)])
+    assert scored.top == () and [t for t, _ in scored.scored] == [3, 0]
+    assert abs(scored.scored[0][1] - expected[3].item()) < 1e-6

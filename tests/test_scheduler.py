@@ -191,3 +191,14 @@ def test_eos_ends_a_sequence_unless_ignored():
     (delta,) = core.step()
     assert delta.finish_reason == "stop" and delta.stop_reason is None
     assert FAKE_EOS not in delta.new_token_ids
+
+
+def test_prompts_sharing_a_prefix_that_arrive_together_compute_it_once():
+    shared = RNG.integers(1, 999, 100).tolist()
+    prompts = [shared + [7 + i] * 5 for i in range(4)]
+    core, runner = fake_core()
+    outputs = run_requests(core, prompts, GREEDY)
+    assert outputs == unconstrained(prompts)
+    # The first computes the six shared blocks; the others wait one step and reuse them.
+    assert core.scheduler.prefix_hits == 3 * 96
+    assert sum(p.num_tokens for p in runner.plans[:2]) == 105 + 1 + 3 * 9  # + 1: a decode

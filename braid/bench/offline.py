@@ -15,7 +15,8 @@ from braid.engine.request import SamplingParams
 
 def run_bench_offline(engine_args: dict, dataset_name: str, num_prompts: int,
                       input_len: int, output_len: int, range_ratio: float,
-                      dataset_path: str | None, seed: int, output_file: str | None) -> dict:
+                      dataset_path: str | None, seed: int, output_file: str | None,
+                      tag: str | None = None) -> dict:
     """Generate every request (greedy, `ignore_eos`, each its own length); print SGLang's
     offline result block; append a JSON line."""
     with LLM(**engine_args) as llm:
@@ -32,7 +33,8 @@ def run_bench_offline(engine_args: dict, dataset_name: str, num_prompts: int,
         duration = time.perf_counter() - start
     total_input = sum(r.prompt_len for r in requests)
     total_output = sum(len(o.token_ids) for o in outputs)
-    row = {"backend": "braid-offline", "dataset_name": dataset_name, "num_prompts": num_prompts,
+    row = {"tag": tag, "backend": "braid-offline", "dataset_name": dataset_name,
+           "num_prompts": num_prompts,
            "random_input_len": input_len, "random_output_len": output_len,
            "random_range_ratio": range_ratio, "tp": engine_args["tp"], "duration": duration,
            "completed": len(outputs), "total_input_tokens": total_input,

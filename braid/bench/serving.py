@@ -50,6 +50,8 @@ class ServingConfig:
     tokenize_prompt: bool = False
     warmup_requests: int = 1
     output_file: str | None = None
+    plot: str | None = None
+    tag: str | None = None
     disable_tqdm: bool = False
     timeout_s: float = 3600.0
 
@@ -69,7 +71,8 @@ class RequestResult:
     error: str = ""
 
 
-def _headers() -> dict[str, str]:
+def auth_headers() -> dict[str, str]:
+    """The bearer key from OPENAI_API_KEY (or API_KEY), as SGLang's benchmark sends it."""
     key = os.environ.get("OPENAI_API_KEY") or os.environ.get("API_KEY")
     return {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -77,7 +80,7 @@ def _headers() -> dict[str, str]:
 def discover_model(client: httpx.Client, base_url: str) -> tuple[str, str | None]:
     """The server's first model from `GET /v1/models`, and its local path if it gives one."""
     try:
-        response = client.get(f"{base_url}/v1/models", headers=_headers())
+        response = client.get(f"{base_url}/v1/models", headers=auth_headers())
         response.raise_for_status()
         entry = response.json()["data"][0]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
@@ -112,7 +115,7 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, backend:
     result.start_time = start
     last = start
     try:
-        async with client.stream("POST", url, json=payload, headers=_headers()) as response:
+        async with client.stream("POST", url, json=payload, headers=auth_headers()) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {body[:500]}"
@@ -317,7 +320,14 @@ def run_bench_serving(config: ServingConfig) -> dict:
               f"{failures[0].error}", file=sys.stderr)
     metrics = compute_metrics(results, duration, tokenizer)
     print_result(config, metrics)
-    row = {"backend": config.backend, "dataset_name": config.dataset_name,
+    if config.plot:
+        from braid.bench.plots import plot_serving_run
+
+        plot_serving_run(results, config.plot,
+                         f"{config.backend} {model}: {config.num_prompts} prompts, "
+                         f"concurrency {config.max_concurrency or 'unlimited'}, "
+                         f"rate {config.request_rate}")
+    row = {"tag": config.tag, "backend": config.backend, "dataset_name": config.dataset_name,
            "request_rate": config.request_rate, "max_concurrency": config.max_concurrency,
            "random_input_len": config.random_input_len,
            "random_output_len": config.random_output_len,

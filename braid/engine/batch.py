@@ -34,6 +34,7 @@ class SamplingBatch:
     seeds: list[int | None]  # per-sequence seed, combined with the output position
     output_positions: np.ndarray  # [S] index of the token being sampled within its output
     num_logprobs: np.ndarray  # [S] int64: top alternatives to report, -1 for no logprobs
+    scored_ids: list[tuple[int, ...]]  # tokens whose logprobs each row reports
     penalties: list[Penalty | None]
     banned: list[tuple[int, ...]]  # tokens that may not be sampled (EOS before min_tokens)
 

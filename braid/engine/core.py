@@ -149,6 +149,7 @@ class EngineCore:
                                    model_config.max_position_embeddings)
         self.policy = StepPolicy(config.overlap, config.overlap_min_tokens, config.dp_linear,
                                  config.dp_linear_min_tokens, config.skip_comm)
+        self._has_dp_linear = model_class(model_config).has_dp_linear
         self._sequences: dict[str, list[Sequence]] = {}
         self._seq_ids = count()
         self._step_ids = count(1)
@@ -168,16 +169,13 @@ class EngineCore:
 
     def add(self, request: Request) -> None:
         """Queue a request's `n` sequences; `UserError` if it can never run. With the prefix
-        cache on, siblings wait for the first one's prompt to be cached and share it."""
+        cache on, siblings share the first one's prompt blocks (see the scheduler)."""
         if request.request_id in self._sequences:
             raise UserError(f"request id {request.request_id!r} is already in use")
         self.check_request(request.prompt_ids, request.params)
         seqs = [Sequence(next(self._seq_ids), request.request_id, i, list(request.prompt_ids),
                          request.params, request.eos_token_ids)
                 for i in range(request.params.n)]
-        if self.config.prefix_caching:
-            for sibling in seqs[1:]:
-                sibling.leader = seqs[0]
         self._sequences[request.request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
@@ -211,8 +209,8 @@ class EngineCore:
     def _run(self, plan: StepPlan) -> StepResult:
         policy, tp = self.policy, self.config.tp
         plan.overlap = auto_switch(policy.overlap, plan.num_tokens, policy.overlap_min_tokens, tp)
-        plan.dp_linear = auto_switch(policy.dp_linear, plan.num_tokens,
-                                     policy.dp_linear_min_tokens, tp)
+        plan.dp_linear = self._has_dp_linear and auto_switch(
+            policy.dp_linear, plan.num_tokens, policy.dp_linear_min_tokens, tp)
         plan.skip_comm = policy.skip_comm
         result = self.executor.step(plan)
         if result.step_id != plan.step_id:

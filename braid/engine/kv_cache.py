@@ -47,8 +47,6 @@ class BlockManager:
         self._refs = [0] * self.num_blocks
         self._key_of: dict[int, int] = {}
         self._block_of: dict[int, int] = {}
-        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_hits = 0  # ... and found there
 
     @property
     def num_free(self) -> int:
@@ -108,24 +106,30 @@ class BlockManager:
             seq.block_keys.append(block_key(seq.block_keys[-1] if j else ROOT_KEY, tokens))
         return seq.block_keys[i]
 
+    def shareable_keys(self, seq: Sequence) -> list[int]:
+        """Keys of the sequence's blocks another sequence could share: its full blocks before
+        the last token (the ones `match_prefix` looks up)."""
+        if not self.prefix_caching:
+            return []
+        return [self._key(seq, i) for i in range((seq.num_tokens - 1) // self.block_size)]
+
+    def cached_prefix(self, keys: list[int]) -> int:
+        """How many of the leading `keys` the prefix cache holds."""
+        count = 0
+        while count < len(keys) and keys[count] in self._block_of:
+            count += 1
+        return count
+
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest prefix of the sequence's tokens made of full
         blocks, leaving at least one token to compute (its logits are needed); each gets a
         reference."""
-        if not self.prefix_caching:
-            return []
-        matched: list[int] = []
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            block = self._block_of.get(self._key(seq, i))
-            if block is None:
-                break
-            matched.append(block)
+        keys = self.shareable_keys(seq)
+        matched = [self._block_of[key] for key in keys[:self.cached_prefix(keys)]]
         for block in matched:
             if self._refs[block] == 0:
                 del self._evictable[block]
             self._refs[block] += 1
-        self.prefix_queries += seq.num_tokens
-        self.prefix_hits += len(matched) * self.block_size
         return matched
 
     def register(self, seq: Sequence) -> None:

@@ -94,7 +94,8 @@ class CompletionState:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids,
                                                   params.skip_special_tokens, params.stop)
         self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        wants_logprobs = params.logprobs is not None or bool(params.logprob_token_ids)
+        self.logprobs: list[TokenLogprob] | None = [] if wants_logprobs else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None

@@ -91,6 +91,7 @@ def sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
         output_positions=np.array([len(s.output_ids) for s in seqs], dtype=np.int64),
         num_logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in params],
                               dtype=np.int64),
+        scored_ids=[p.logprob_token_ids for p in params],
         penalties=[_penalty(s) for s in seqs],
         banned=[_banned(s) for s in seqs],
     )

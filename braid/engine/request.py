@@ -18,7 +18,10 @@ class SamplingParams:
     """How to pick tokens and when to stop (vLLM's meanings and defaults).
 
     `logprobs`: the chosen token's logprob plus this many top alternatives per generated token
-    (None: no logprobs); `prompt_logprobs` the same for every prompt token after the first.
+    (None: no logprobs); `prompt_logprobs` the same for every prompt token after the first;
+    `logprob_token_ids`: the logprobs of these tokens at every generated position, whatever
+    their rank (SGLang's `token_ids_logprob`: how a multiple-choice evaluator reads the
+    likelihood of each answer letter).
     Logprobs are the model's own (log-softmax of the raw logits, before penalties and
     temperature). `stop` strings end a completion, and are cut from its text, by whichever
     front end detokenizes (`LLM`, the server).
@@ -40,10 +43,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logprob_token_ids: tuple[int, ...] = ()
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("stop", "stop_token_ids"):  # lists are welcome; stored as tuples
+        for name in ("stop", "stop_token_ids", "logprob_token_ids"):  # lists welcome; tuples kept
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
         checks = [
@@ -89,11 +93,13 @@ class Request:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A token's logprob and the `top` alternatives (token id, logprob), most likely first."""
+    """A token's logprob, the `top` alternatives (token id, logprob), most likely first, and
+    the logprobs of the tokens a request named (`scored`, in its order)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    scored: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(eq=False)  # compared by identity: the scheduler's queues hold the objects
@@ -114,7 +120,6 @@ class Sequence:
     num_cached_prompt: int = 0  # prompt tokens found in the prefix cache at admission
     scheduled_tokens: int = 0  # tokens the current step computes
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for tokens 1, 2, ...
-    leader: Sequence | None = None  # sibling whose cached prompt this one waits to share
     finish_reason: str | None = None
 
     def token_slice(self, start: int, end: int) -> list[int]:

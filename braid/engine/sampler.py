@@ -18,11 +18,12 @@ def postprocess(logits: torch.Tensor, plan: StepPlan, generator: torch.Generator
     if plan.sampling is not None:
         rows = logits[torch.from_numpy(plan.sample_rows).to(logits.device)]
         result.tokens, result.errors = sample(rows, plan.sampling, generator)
-        if (plan.sampling.num_logprobs >= 0).any():
+        sampling = plan.sampling
+        if (sampling.num_logprobs >= 0).any() or any(sampling.scored_ids):
             chosen = [t if t is not None else 0 for t in result.tokens]
-            result.logprobs = [
-                None if token is None else entry for token, entry in
-                zip(result.tokens, token_logprobs(rows, chosen, plan.sampling.num_logprobs))]
+            entries = token_logprobs(rows, chosen, sampling.num_logprobs, sampling.scored_ids)
+            result.logprobs = [None if token is None else entry
+                               for token, entry in zip(result.tokens, entries)]
     if plan.prompt_logprobs is not None:
         wanted = plan.prompt_logprobs
         result.prompt_logprobs = token_logprobs(
@@ -31,21 +32,27 @@ def postprocess(logits: torch.Tensor, plan: StepPlan, generator: torch.Generator
     return result
 
 
-def token_logprobs(logits: torch.Tensor, chosen: list[int],
-                   num_logprobs) -> list[TokenLogprob | None]:
-    """Per row: the chosen token's logprob and the top `num_logprobs[row]` alternatives
-    (None for a row asking for none, i.e. -1)."""
+def token_logprobs(logits: torch.Tensor, chosen: list[int], num_logprobs,
+                   scored_ids: list[tuple[int, ...]] | None = None) -> list[TokenLogprob | None]:
+    """Per row: the chosen token's logprob, the top `num_logprobs[row]` alternatives and the
+    logprobs of `scored_ids[row]` (None for a row that asks for neither: -1 and no ids)."""
     counts = [int(k) for k in num_logprobs]
+    scored_ids = scored_ids or [()] * len(counts)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     picked = logprobs.gather(1, torch.tensor(chosen, device=logits.device)[:, None])[:, 0]
     top_k = max(counts, default=0)
     top_values, top_ids = (logprobs.topk(top_k, dim=-1) if top_k > 0
                            else (logprobs[:, :0], logprobs[:, :0].long()))
     picked, top_values, top_ids = picked.tolist(), top_values.tolist(), top_ids.tolist()
-    return [None if k < 0 else
-            TokenLogprob(chosen[row], picked[row], tuple(zip(top_ids[row][:k],
-                                                            top_values[row][:k])))
-            for row, k in enumerate(counts)]
+    entries: list[TokenLogprob | None] = []
+    for row, (k, ids) in enumerate(zip(counts, scored_ids)):
+        if k < 0 and not ids:
+            entries.append(None)
+            continue
+        top = tuple(zip(top_ids[row][:max(k, 0)], top_values[row][:max(k, 0)]))
+        scored = zip(ids, logprobs[row, list(ids)].tolist()) if ids else ()
+        entries.append(TokenLogprob(chosen[row], picked[row], top, tuple(scored)))
+    return entries
 
 
 def sample(logits: torch.Tensor, params: SamplingBatch,

@@ -7,7 +7,9 @@ Each step, within `max_num_batched_tokens` tokens:
 2. prompts part-way through their prefill get their next chunk, as far as free blocks allow;
 3. waiting sequences are admitted in arrival order, the shared prefix found in the prefix cache
    skipped, while their first chunk fits with a reserve of free blocks for the running
-   sequences' next decode step, so a fresh admission does not preempt anyone right away.
+   sequences' next decode step, so a fresh admission does not preempt anyone right away. A
+   sequence whose next uncached block another prompt is computing right now (the same few-shot
+   prefix, a sibling of `n`) waits for it, then shares it instead of computing it again.
 
 A long prompt is thus prefilled over several steps while decodes keep running, and several
 prompts may share a step. Runs on the driver; the ranks only see the resulting plans.
@@ -105,19 +107,23 @@ class Scheduler:
 
     def _admit(self, batch: list[Sequence], budget: int) -> None:
         """Admit waiting sequences in order while their first chunk fits (see the module
-        docstring); a sibling waits until its leader's prompt is cached, to share it."""
+        docstring)."""
         bs = self.blocks.block_size
         reserve = sum(1 for s in self.running if self._fills_its_blocks(s))
+        # Prefix blocks that prompts being prefilled (now or in this step) are computing.
+        computing = {key for s in self.running if not s.prompt_done
+                     for key in self.blocks.shareable_keys(s)}
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_running:
                 return
-            leader = seq.leader
-            if leader is not None and not (leader.finished or leader.prompt_done):
-                continue
             # Prompt logprobs need the logits of every prompt position: no cached prefix.
             scoring = (seq.params.prompt_logprobs is not None
                        and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1)
-            matched = [] if scoring else self.blocks.match_prefix(seq)
+            keys = [] if scoring else self.blocks.shareable_keys(seq)
+            cached = self.blocks.cached_prefix(keys)
+            if cached < len(keys) and keys[cached] in computing:
+                continue  # its next block is being computed: share it from a later step
+            matched = self.blocks.match_prefix(seq) if keys else []
             computed = len(matched) * bs
             chunk = min(seq.num_tokens - computed, budget)
             need = self.blocks.blocks_needed(computed + chunk, len(matched))
@@ -137,6 +143,7 @@ class Scheduler:
             batch.append(seq)
             budget -= chunk
             reserve += self._fills_its_blocks(seq)
+            computing.update(keys)
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1

@@ -73,6 +73,8 @@ class CausalLM(nn.Module):
     with layers that expose `operations()` and `self_attn.attn` (their cache owner)."""
 
     stacked_params: tuple = ()
+    # Whether the model has replicated projections that `--dp-linear` splits over tokens.
+    has_dp_linear: bool = False
 
     @classmethod
     def check_config(cls, config: ModelConfig, tp: int) -> None:

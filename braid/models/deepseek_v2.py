@@ -196,6 +196,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         ("fused_qkv_a_proj", "kv_a_proj_with_mqa", "kv_a"),
         *GATE_UP_STACKED,  # dense MLPs and shared experts
     )
+    has_dp_linear = True
 
     @classmethod
     def check_config(cls, config: ModelConfig, tp: int) -> None:

@@ -1,0 +1,304 @@
+"""`braid eval-mmlu`: MMLU accuracy as the original evaluation measures it.
+
+Each test question gets the original 5-shot prompt (Hendrycks et al.'s `evaluate.py`, its
+double space after "about" included): "The following are multiple choice questions (with
+answers) about  {subject}.", then the subject's first `num_shots` dev questions with their
+answers, then the question and "Answer:". The prediction is the letter whose token (" A", " B",
+" C", " D") has the highest next-token logprob.
+
+Backends score the same token ids:
+- `braid`: every prompt in one `LLM.generate` batch, one token each, with the four letters'
+  logprobs (`logprob_token_ids`); the prefix cache computes each subject's shots once;
+- `hf`: `transformers` on the same weights, the prompts' shared prefix computed once per subject
+  and its KV cache reused for every question;
+- `openai`: a server's prompt logprobs (`echo`, `logprobs`, `max_tokens` 1) of the prompt with
+  each letter appended, as log-likelihood evaluators do.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from braid.config import UserError, resolve_comm, resolve_dtype
+
+LETTERS = "ABCD"
+
+
+@dataclass(frozen=True)
+class Question:
+    """One test question: its subject, row in the test split, prompt and answer letter."""
+
+    subject: str
+    index: int
+    prompt: str
+    answer: str
+
+
+def list_subjects(data_dir: Path) -> list[str]:
+    """Subjects with both a dev and a test file."""
+    dev = {p.name.removesuffix("_dev.csv") for p in (data_dir / "dev").glob("*_dev.csv")}
+    test = {p.name.removesuffix("_test.csv") for p in (data_dir / "test").glob("*_test.csv")}
+    return sorted(dev & test)
+
+
+def _rows(path: Path) -> list[list[str]]:
+    with open(path, newline="") as f:
+        return [row for row in csv.reader(f) if row]
+
+
+def format_example(row: list[str], with_answer: bool) -> str:
+    """The original format: question, lettered choices, "Answer:" (and the answer)."""
+    text = row[0] + "".join(f"\n{letter}. {choice}" for letter, choice in zip(LETTERS, row[1:5]))
+    return text + "\nAnswer:" + (f" {row[5]}\n\n" if with_answer else "")
+
+
+def subject_header(subject: str) -> str:
+    # The original joins the words with a leading space each: "about  abstract algebra."
+    return ("The following are multiple choice questions (with answers) about "
+            f"{''.join(' ' + word for word in subject.split('_'))}.\n\n")
+
+
+def load_questions(data_dir: str, subjects: str, num_shots: int,
+                   limit: int | None) -> list[Question]:
+    """The test questions of `subjects` ("all" or "a,b"), the first `limit` of each, with
+    `num_shots`-shot prompts."""
+    root = Path(data_dir)
+    available = list_subjects(root) if root.is_dir() else []
+    if not available:
+        raise UserError(f"{data_dir} has no MMLU data (expected dev/*_dev.csv and "
+                        "test/*_test.csv)")
+    chosen = available if subjects == "all" else [s.strip() for s in subjects.split(",")]
+    unknown = sorted(set(chosen) - set(available))
+    if unknown:
+        raise UserError(f"unknown MMLU subject(s): {', '.join(unknown)}; the data has "
+                        f"{len(available)} subjects, e.g. {', '.join(available[:3])}")
+    if num_shots < 0 or (limit is not None and limit < 1):
+        raise UserError("--num-shots must be >= 0 and --limit >= 1")
+    questions = []
+    for subject in chosen:
+        shots = _rows(root / "dev" / f"{subject}_dev.csv")[:num_shots]
+        prefix = subject_header(subject) + "".join(format_example(s, True) for s in shots)
+        for index, row in enumerate(_rows(root / "test" / f"{subject}_test.csv")[:limit]):
+            questions.append(Question(subject, index, prefix + format_example(row, False),
+                                      row[5].strip()))
+    return questions
+
+
+def letter_token_ids(tokenizer) -> list[int]:
+    """Token ids of " A" .. " D" (the token that follows "Answer:")."""
+    ids = [tokenizer(f" {letter}", add_special_tokens=False)["input_ids"] for letter in LETTERS]
+    if any(len(i) != 1 for i in ids):
+        raise UserError("this tokenizer does not encode ' A'..' D' as single tokens")
+    return [i[0] for i in ids]
+
+
+@dataclass
+class EvalResult:
+    """Per question the four letters' logprobs (None: the question could not be scored)."""
+
+    questions: list[Question]
+    scores: list[list[float] | None]
+    duration_s: float
+    extra: dict
+
+    def predictions(self) -> list[str | None]:
+        return [None if s is None else LETTERS[int(np.argmax(s))] for s in self.scores]
+
+    def report(self) -> dict:
+        """Accuracy per subject, macro (mean over subjects) and micro (over questions)."""
+        per_subject: dict[str, list[bool]] = {}
+        for q, predicted in zip(self.questions, self.predictions()):
+            per_subject.setdefault(q.subject, []).append(predicted == q.answer)
+        accuracy = {s: float(np.mean(hits)) for s, hits in per_subject.items()}
+        hits = [h for subject in per_subject.values() for h in subject]
+        return {"num_questions": len(hits), "micro_accuracy": float(np.mean(hits)),
+                "macro_accuracy": float(np.mean(list(accuracy.values()))),
+                "subjects": accuracy, "duration_s": self.duration_s,
+                "questions_per_s": len(hits) / self.duration_s, **self.extra}
+
+
+def score_braid(questions: list[Question], engine_args: dict) -> EvalResult:
+    from braid.engine.llm import LLM
+    from braid.engine.request import SamplingParams
+
+    with LLM(**engine_args) as llm:
+        context = llm.model_config.max_position_embeddings
+        letters = letter_token_ids(llm.tokenizer)
+        params = SamplingParams(max_new_tokens=1, temperature=0, logprob_token_ids=letters)
+        prompts = [llm.encode(q.prompt) for q in questions]
+        too_long = sum(len(p) >= context for p in prompts)
+        if too_long:
+            raise UserError(f"{too_long} prompts do not fit the context; lower --num-shots")
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        duration = time.perf_counter() - start
+        scheduler = llm.core.scheduler
+        hit_rate = scheduler.prefix_hits / max(1, scheduler.prefix_queries)
+    scores = [[lp for _, lp in out.outputs[0].logprobs[0].scored] for out in outputs]
+    return EvalResult(questions, scores, duration, {"prefix_cache_hit_rate": hit_rate})
+
+
+def score_hf(questions: list[Question], model: str, dtype: str) -> EvalResult:
+    """transformers, one question at a time after its subject's shared prefix."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from braid.config import DTYPES
+    from braid.engine.tokenizer import load_tokenizer
+
+    path = Path(model)
+    kwargs = {"gguf_file": path.name} if path.is_file() else {}
+    folder = str(path.parent) if path.is_file() else str(path)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype], **kwargs).eval()
+    tokenizer = load_tokenizer(model)
+    letters = letter_token_ids(tokenizer)
+    prompts = [list(tokenizer(q.prompt)["input_ids"]) for q in questions]
+    scores: list[list[float] | None] = []
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for subject in dict.fromkeys(q.subject for q in questions):
+            ids = [p for p, q in zip(prompts, questions) if q.subject == subject]
+            shared = _common_prefix_len(ids) - 1  # leave every question a token to run
+            prefix = hf(torch.tensor([ids[0][:shared]]), use_cache=True) if shared > 0 else None
+            for prompt in ids:
+                cache = copy.deepcopy(prefix.past_key_values) if prefix is not None else None
+                out = hf(torch.tensor([prompt[max(shared, 0):]]), past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+                logprobs = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+                scores.append(logprobs[letters].tolist())
+    return EvalResult(questions, scores, time.perf_counter() - start, {})
+
+
+def _common_prefix_len(prompts: list[list[int]]) -> int:
+    first = prompts[0]
+    n = min(len(p) for p in prompts)
+    for other in prompts[1:]:
+        n = next((i for i in range(n) if other[i] != first[i]), n)
+    return n
+
+
+def score_openai(questions: list[Question], base_url: str, model: str | None,
+                 tokenizer_path: str | None, concurrency: int) -> EvalResult:
+    """A server's prompt logprobs of each prompt with each letter appended."""
+    import asyncio
+
+    import httpx
+
+    from braid.bench.serving import auth_headers, discover_model, load_bench_tokenizer
+
+    base_url = base_url.rstrip("/")
+    with httpx.Client(timeout=30) as client:
+        served, root = discover_model(client, base_url)
+    tokenizer = load_bench_tokenizer(tokenizer_path or root)
+    letters = letter_token_ids(tokenizer)
+    prompts = [list(tokenizer(q.prompt)["input_ids"]) for q in questions]
+    failures: list[str] = []
+
+    async def score(client: httpx.AsyncClient, limit: asyncio.Semaphore,
+                    prompt: list[int]) -> list[float] | None:
+        body = {"model": model or served, "prompt": [prompt + [t] for t in letters],
+                "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
+        async with limit:
+            response = await client.post(f"{base_url}/v1/completions", json=body,
+                                         headers=auth_headers())
+        if response.status_code != 200:
+            failures.append(response.text[:300])
+            return None
+        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+        return [c["logprobs"]["token_logprobs"][len(prompt)] for c in choices]
+
+    async def score_all() -> list[list[float] | None]:
+        limit = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(timeout=3600) as client:
+            return await asyncio.gather(*(score(client, limit, p) for p in prompts))
+
+    start = time.perf_counter()
+    scores = asyncio.run(score_all())
+    duration = time.perf_counter() - start
+    if failures:
+        print(f"{len(failures)} questions could not be scored; the first error: {failures[0]}")
+    return EvalResult(questions, scores, duration, {"failed": len(failures)})
+
+
+def print_report(report: dict, title: str) -> None:
+    print(f"\n{title}")
+    print(f"{'subject':<40} {'accuracy':>8}")
+    for subject, accuracy in report["subjects"].items():
+        print(f"{subject:<40} {accuracy:8.3f}")
+    print(f"{'micro average':<40} {report['micro_accuracy']:8.3f}   "
+          f"({report['num_questions']} questions)")
+    print(f"{'macro average':<40} {report['macro_accuracy']:8.3f}")
+    print(f"{report['duration_s']:.1f} s, {report['questions_per_s']:.2f} questions/s")
+
+
+def agreement(rows: list[dict]) -> list[tuple[int, int, float, int]]:
+    """Pairwise share of identical answers between runs over the same questions:
+    (run i, run j, share, questions)."""
+    pairs = []
+    for i in range(len(rows)):
+        for j in range(i + 1, len(rows)):
+            a = {(s, k): p for s, k, p, *_ in rows[i]["answers"]}
+            b = {(s, k): p for s, k, p, *_ in rows[j]["answers"]}
+            common = a.keys() & b.keys()
+            if common:
+                same = sum(a[key] == b[key] for key in common) / len(common)
+                pairs.append((i, j, same, len(common)))
+    return pairs
+
+
+def run_eval_mmlu(data_dir: str, subjects: str, num_shots: int, limit: int | None,
+                  backend: str, engine_args: dict, base_url: str | None, model_name: str | None,
+                  tokenizer_path: str | None, concurrency: int,
+                  output_file: str | None) -> dict:
+    """Evaluate, print the report, append the run (every answer included) to `output_file`,
+    and print how often the runs in that file agree."""
+    questions = load_questions(data_dir, subjects, num_shots, limit)
+    print(f"{len(questions)} questions from {len({q.subject for q in questions})} subjects, "
+          f"{num_shots}-shot, backend {backend}", flush=True)
+    if backend == "braid":
+        result = score_braid(questions, engine_args)
+    elif backend == "hf":
+        result = score_hf(questions, engine_args["model"], resolve_dtype(engine_args["dtype"]))
+    elif backend == "openai":
+        if not base_url:
+            raise UserError("--backend openai needs --base-url")
+        result = score_openai(questions, base_url, model_name, tokenizer_path, concurrency)
+    else:
+        raise UserError(f"--backend must be braid, hf or openai, got {backend!r}")
+    report = result.report()
+    device = engine_args["device"]
+    settings = {"backend": backend, "model": engine_args["model"],
+                "dtype": resolve_dtype(engine_args["dtype"], device)}
+    if backend == "braid":
+        comm = engine_args["comm"]
+        settings.update(tp=engine_args["tp"], comm=resolve_comm(device) if comm == "auto" else comm,
+                        overlap=engine_args["overlap"], dp_linear=engine_args["dp_linear"])
+    if backend == "openai":
+        settings.update(base_url=base_url)
+    title = " ".join(f"{k}={v}" for k, v in settings.items() if k != "model")
+    print_report(report, title)
+    row = {"eval": "mmlu", **settings, "num_shots": num_shots, "limit": limit, **report,
+           # Per question: subject, test row, predicted, correct, the letters' logprobs.
+           "answers": [[q.subject, q.index, p, q.answer,
+                        None if s is None else [round(x, 5) for x in s]]
+                       for q, p, s in zip(questions, result.predictions(), result.scores)]}
+    if output_file:
+        with open(output_file, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        rows = [json.loads(line) for line in Path(output_file).read_text().splitlines()
+                if line.strip()]
+        rows = [r for r in rows if r.get("eval") == "mmlu"]
+        if len(rows) > 1:
+            print(f"\nIdentical answers between the runs in {output_file}:")
+            for i, j, same, n in agreement(rows):
+                print(f"  run {i} ({rows[i]['backend']}) vs run {j} ({rows[j]['backend']}): "
+                      f"{same:.1%} of {n}")
+    return row
