@@ -165,3 +165,8 @@ def test_bench_offline_runs_the_serving_requests(tmp_path: Path):
     row = json.loads(out.read_text())
     assert row["completed"] == 5 and row["total_output_tokens"] == 15
     assert row["total_input_tokens"] == 100 and row["output_throughput"] > 0
+
+
+def test_serve_with_a_bad_model_fails_before_binding():
+    assert_user_error(braid("serve", "--model", "/no/such/model.gguf"), "does not exist")
+    assert_user_error(braid("serve", "--tp", "0"), "--tp")

@@ -71,8 +71,10 @@ def labels(rows: list[dict], keys: list[str]) -> list[str]:
         return len({json.dumps(r[key]) for r in rows if r.get(key) is not None}) > 1
 
     shown = [k for k in keys if differs(k)] or [k for k in keys if k in rows[0]][:1]
-    return ["\n".join(f"{SHORT_NAMES.get(k, k)}={r[k]}" for k in shown if r.get(k) is not None)
-            for r in rows]
+    def setting(key: str, value) -> str:
+        return str(value) if key == "tag" else f"{SHORT_NAMES.get(key, key)}={value}"
+
+    return ["\n".join(setting(k, r[k]) for k in shown if r.get(k) is not None) for r in rows]
 
 
 COLUMNS = 3
@@ -95,7 +97,9 @@ def plot_results(paths: list[str], out: str) -> list[str]:
         raise UserError("no bench-one-batch, bench-serving or eval-mmlu rows in the files")
     panels = [(kind, metric) for kind in groups for metric in KINDS[kind][2]]
     lines = sum(math.ceil(len(KINDS[kind][2]) / COLUMNS) for kind in groups)
-    fig, axes = plt.subplots(lines, COLUMNS, squeeze=False, figsize=(5 * COLUMNS, 4.2 * lines))
+    width = max(5.0, 0.95 * max(len(rows) for rows in groups.values()))  # room per label
+    fig, axes = plt.subplots(lines, COLUMNS, squeeze=False,
+                             figsize=(width * COLUMNS, 4.2 * lines))
     slots = iter(axes.flat)
     for kind, rows in groups.items():
         _, keys, metrics = KINDS[kind]

@@ -62,10 +62,11 @@ async def generate(engine: AsyncEngine, runs: list[PromptRun], eos_token_ids: fr
     Raises `EngineDead` if the engine fails meanwhile."""
     deltas: asyncio.Queue = asyncio.Queue()
     by_id = {run.request_id: (i, run) for i, run in enumerate(runs)}
-    for run in runs:
-        metrics.prompt_tokens.inc(len(run.prompt_ids))
-        engine.add(Request(run.request_id, run.prompt_ids, run.params, eos_token_ids), deltas)
     try:
+        for run in runs:
+            metrics.prompt_tokens.inc(len(run.prompt_ids))
+            engine.add(Request(run.request_id, run.prompt_ids, run.params, eos_token_ids),
+                       deltas)
         while not all(run.finished for run in runs):
             item = await deltas.get()
             if isinstance(item, EngineDead):
