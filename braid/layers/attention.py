@@ -37,8 +37,8 @@ class PagedAttention(nn.Module):
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
         self.k_cache.view(-1, *k.shape[1:])[batch.slot_mapping] = k
         self.v_cache.view(-1, *v.shape[1:])[batch.slot_mapping] = v
-        return torch.cat([self._attend(q[g.tokens], k[g.tokens], v[g.tokens], g.meta)
-                          for g in batch.attn_groups])
+        return concat_groups([self._attend(q[g.tokens], k[g.tokens], v[g.tokens], g.meta)
+                              for g in batch.attn_groups])
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -60,6 +60,11 @@ class PagedAttention(nn.Module):
             attn_mask=meta.mask, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(b * max_q, -1)
         return out if meta.q_scatter is None else out[meta.q_scatter]
+
+
+def concat_groups(outputs: list[torch.Tensor]) -> torch.Tensor:
+    """The attention groups' outputs in step order; one group (most steps) is not copied."""
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

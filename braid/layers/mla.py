@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from braid.engine.batch import AttentionMetadata, ForwardBatch
-from braid.layers.attention import gather_blocks
+from braid.layers.attention import concat_groups, gather_blocks
 
 
 class LatentAttention(nn.Module):
@@ -50,8 +50,8 @@ class LatentAttention(nn.Module):
         heads -> [T, heads * v]."""
         self.cache.view(-1, latent.shape[-1])[batch.slot_mapping] = latent
         kv_b = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        return torch.cat([self._attend(q_nope[g.tokens], q_rope[g.tokens], latent[g.tokens], kv_b,
-                                       g.meta) for g in batch.attn_groups])
+        return concat_groups([self._attend(q_nope[g.tokens], q_rope[g.tokens], latent[g.tokens],
+                                           kv_b, g.meta) for g in batch.attn_groups])
 
     def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
                 kv_b: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

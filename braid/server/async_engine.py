@@ -50,7 +50,6 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.stats: EngineStats | None = None
         self.dead: str | None = None  # why, once the engine is gone
         self._closing = False
         self.on_stats: Callable[[EngineStats], None] = lambda stats: None
@@ -151,7 +150,6 @@ class AsyncEngine:
             target = self._queues.get(delta.request_id)
             if target is not None:
                 target.put_nowait(delta)
-        self.stats = stats
         self.on_stats(stats)
 
     def _fail(self, reason: str) -> None:
