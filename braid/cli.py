@@ -61,6 +61,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp-linear-min-tokens", type=int, default=None,
                         help="tokens per step from which --dp-linear auto splits (default: 32 "
                              "on CPU, 4096 on CUDA; measure yours with bench-dp-linear)")
+    parser.add_argument("--no-cache", dest="cache", action="store_false",
+                        help="neither read nor write braid's cache of what is derived from a "
+                             "GGUF file (config, tokenizer, dequantised weights; kept under "
+                             "$XDG_CACHE_HOME/braid)")
     parser.add_argument("--device", default="cpu",
                         help="cpu, or cuda (rank r uses cuda:r; collectives via NCCL)")
     parser.add_argument("--trace", default=None, metavar="FILE.json",
@@ -79,7 +83,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 overlap=args.overlap, overlap_min_tokens=args.overlap_min_tokens,
                 tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
                 dp_linear=args.dp_linear, dp_linear_min_tokens=args.dp_linear_min_tokens,
-                device=args.device, trace=args.trace)
+                device=args.device, trace=args.trace, cache=args.cache)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -155,21 +155,37 @@ class ModelConfig:
         )
 
 
-def load_model_config(model: str) -> ModelConfig:
-    """Config of a GGUF file or a Hugging Face folder; `UserError` naming what is wrong."""
+def load_model_config(model: str, use_cache: bool = True) -> ModelConfig:
+    """Config of a GGUF file or a Hugging Face folder; `UserError` naming what is wrong.
+
+    A GGUF file's config is kept in braid's cache (parsing the metadata takes seconds).
+    """
     path = Path(model)
     if not path.exists():
         raise UserError(f"model path does not exist: {model}")
     if path.is_file():
         if path.suffix != ".gguf":
             raise UserError(f"{model} is a file but not a .gguf file; pass a GGUF file or a folder")
-        from braid.loader.gguf import gguf_model_config
-
-        return gguf_model_config(str(path))
+        return _gguf_model_config(path, use_cache)
     config_file = path / "config.json"
     if not config_file.exists():
         raise UserError(f"{model} has no config.json; pass a Hugging Face model folder or GGUF")
     return ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+
+
+def _gguf_model_config(path: Path, use_cache: bool) -> ModelConfig:
+    from braid.cache import cached
+    from braid.loader.gguf import gguf_model_config
+
+    def build(folder: Path) -> None:
+        (folder / "config.json").write_text(json.dumps(asdict(gguf_model_config(str(path)))))
+
+    def load(folder: Path) -> ModelConfig:
+        fields = json.loads((folder / "config.json").read_text())
+        return ModelConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
+
+    config = cached(path, "config", build, load) if use_cache else None
+    return config or gguf_model_config(str(path))
 
 
 @dataclass(frozen=True)
@@ -195,6 +211,7 @@ class EngineConfig:
     dp_linear: str = "auto"
     dp_linear_min_tokens: int | None = None  # None: the measured default of the device
     trace: str | None = None
+    cache: bool = True  # braid's cache of derived checkpoint files (--no-cache: off)
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from braid.config import default_model_path, load_model_config
+
+# braid's cache of derived checkpoint files lives in a folder of this test session (never the
+# user's ~/.cache): the first launch converts, later ones load, as on a user's machine.
+_CACHE_HOME = tempfile.mkdtemp(prefix="braid-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
+atexit.register(shutil.rmtree, _CACHE_HOME, ignore_errors=True)
 
 # One thread per test process: rank processes pin their own cores, the reference shares them.
 torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // 2))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -52,7 +53,7 @@ def test_a_killed_rank_fails_the_launch():
     group.gather(timeout=60)
     os.kill(group.procs[1].pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(RankFailure, match=r"rank 1 died \(exit code -9\)"):
+    with pytest.raises(RankFailure, match=r"^rank 1 died \(killed by SIGKILL\)"):
         group.request(("value", 1))
     assert time.monotonic() - start < 10
     assert all(not p.is_alive() for p in group.procs)
@@ -122,3 +123,34 @@ def test_ranks_exit_when_their_driver_is_killed():
             time.sleep(0.1)
     finally:
         driver.kill()
+
+
+def test_a_rank_killed_during_generate_is_named_first_with_its_signal():
+    """Rank 0 is spinning in a shared-memory collective when rank 1 is killed: the launcher
+    stops it (SIGTERM), and the report names rank 1 first, then rank 0, then the segment."""
+    from braid import LLM, SamplingParams
+
+    llm = LLM(tp=2, comm="shm")
+    try:
+        os.kill(llm.core.executor.ranks.procs[1].pid, signal.SIGKILL)
+        with pytest.raises(RankFailure) as failure:
+            llm.generate("Hi", SamplingParams(max_new_tokens=64, ignore_eos=True))
+    finally:
+        llm.close()
+    lines = str(failure.value).splitlines()
+    assert lines[0] == "rank 1 died (killed by SIGKILL)"
+    assert lines[1].startswith("rank 0 was stopped by the launcher (")
+    assert re.fullmatch(r"shared memory /dev/shm/\S+ removed", lines[-1])
+    assert not os.path.exists(lines[-1].split()[2])
+
+
+def test_a_script_without_the_main_guard_gets_a_clear_error(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text("from braid import LLM\n\nLLM(tp=2)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "braid.config.UserError" in proc.stderr
+    assert 'if __name__ == "__main__":' in proc.stderr
+    assert "bootstrapping phase" not in proc.stderr  # multiprocessing's own message
+    assert re.search(r"rank \d died \(while starting, exited with code 1", proc.stderr)

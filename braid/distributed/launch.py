@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import signal
 import threading
@@ -35,6 +36,16 @@ _PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer"
 
 class RankFailure(RuntimeError):
     """A rank raised or died; the message carries that rank's error."""
+
+
+def describe_exit(exitcode: int) -> str:
+    """`killed by SIGKILL`, `exited with code 1`, ... for a process's exit code."""
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
 
 
 def cores_for_rank(rank: int, world_size: int, cores: list[int]) -> list[int]:
@@ -102,11 +113,12 @@ class RankGroup:
 
     `target` receives messages with `conn.recv()` and answers with `conn.send(("ok", value))`;
     `torch.distributed` is initialised before it runs. Exceptions are reported automatically.
-    `cleanup` runs when the group closes, on every path (shared-memory segments use it).
+    `cleanup` runs when the group closes, on every path (shared-memory segments use it); the
+    line it returns ends a failure report.
     """
 
     def __init__(self, world_size: int, target: Callable, args: tuple = (),
-                 cleanup: Callable[[], None] | None = None) -> None:
+                 cleanup: Callable[[], str | None] | None = None) -> None:
         import torch.distributed as dist
 
         cores = usable_cores()
@@ -119,6 +131,13 @@ class RankGroup:
         self.procs: list[mp.Process] = []
         self._closed = False
         self._cleanup = cleanup
+        self._cleanup_report: str | None = None
+        # When each rank failed (reported an error or exited; monotonic time): failures are
+        # reported in that order, so the rank that failed first is named before those it
+        # brought down.
+        self._failure_times: dict[int, float] = {}
+        self._stop_time: float | None = None  # when close() began stopping ranks
+        self._answered: set[int] = set()  # ranks that have sent anything (they started)
         atexit.register(self.close)
         for rank in range(world_size):
             parent, child = ctx.Pipe()
@@ -131,6 +150,13 @@ class RankGroup:
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
+        threading.Thread(target=self._watch_exits, name="braid-rank-watch", daemon=True).start()
+
+    def _watch_exits(self) -> None:
+        waiting = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
+        while waiting:
+            for sentinel in mp.connection.wait(list(waiting)):
+                self._failure_times.setdefault(waiting.pop(sentinel), time.monotonic())
 
     @property
     def world_size(self) -> int:
@@ -159,7 +185,9 @@ class RankGroup:
         except (EOFError, OSError):
             self._fail()
         if kind == "error":
+            self._failure_times.setdefault(rank, time.monotonic())
             self._fail({rank: value})
+        self._answered.add(rank)
         return value
 
     def check_alive(self) -> None:
@@ -177,10 +205,11 @@ class RankGroup:
         return self.recv(0)
 
     def _fail(self, reported: dict[int, str] | None = None) -> NoReturn:
-        """Stop all ranks and raise with every rank's error, the likely root cause first.
+        """Stop all ranks and raise with every rank's error, the one that failed first first.
 
         When one rank fails its peers soon fail too, inside a collective; their errors (a reset
-        connection) are listed after the errors that caused them.
+        connection) follow the error that caused them, and the ranks the launcher stopped
+        come last.
         """
         reported = dict(reported or {})
         deadline = time.monotonic() + 1.0
@@ -190,6 +219,7 @@ class RankGroup:
                     while rank not in reported and conn.poll(0):
                         kind, value = conn.recv()
                         if kind == "error":
+                            self._failure_times.setdefault(rank, time.monotonic())
                             reported[rank] = value
                 except (EOFError, OSError):
                     pass
@@ -197,21 +227,39 @@ class RankGroup:
                 break
             time.sleep(POLL_S)
         self.close()
-        reasons = []
+        raise RankFailure(self._failure_report(reported))
+
+    def _failure_report(self, reported: dict[int, str]) -> str:
+        failed, stopped = [], []
         for rank, proc in enumerate(self.procs):
-            if rank in reported:
+            failed_at = self._failure_times.get(rank, float("inf"))
+            if rank not in reported and failed_at >= (self._stop_time or float("inf")):
+                stopped.append(f"rank {rank} was stopped by the launcher "
+                               f"({describe_exit(proc.exitcode or 0)})")
+            elif rank in reported:
                 secondary = any(m in reported[rank] for m in _PEER_FAILURE_MARKERS)
-                reasons.append((secondary, f"rank {rank} failed:\n{reported[rank]}"))
+                failed.append(((secondary, failed_at), f"rank {rank} failed:\n{reported[rank]}"))
             elif proc.exitcode not in (None, 0):
-                reasons.append((False, f"rank {rank} died (exit code {proc.exitcode})"))
-        reasons.sort(key=lambda r: r[0])
-        raise RankFailure("\n".join(text for _, text in reasons) or "a rank exited unexpectedly")
+                how = describe_exit(proc.exitcode)
+                if rank not in self._answered:  # e.g. its import of the main module failed
+                    how = f"while starting, {how}; its own error, if any, is printed above"
+                failed.append(((False, failed_at), f"rank {rank} died ({how})"))
+        failed.sort(key=lambda f: f[0])
+        lines = [text for _, text in failed] or ["a rank exited unexpectedly"]
+        lines += stopped
+        if self._cleanup_report:
+            lines.append(self._cleanup_report)
+        return "\n".join(lines)
 
     def close(self) -> None:
         """Stop every rank: ask politely, then terminate, then kill (idempotent)."""
         if self._closed:
             return
         self._closed = True
+        for rank, proc in enumerate(self.procs):  # dead, whether or not the watcher saw it yet
+            if proc.exitcode is not None:
+                self._failure_times.setdefault(rank, time.monotonic())
+        self._stop_time = time.monotonic()
         for conn in self.conns:
             try:
                 conn.send(("stop", None))
@@ -231,7 +279,7 @@ class RankGroup:
         for conn in self.conns:
             conn.close()
         if self._cleanup is not None:
-            self._cleanup()
+            self._cleanup_report = self._cleanup()
         atexit.unregister(self.close)
 
 
@@ -295,7 +343,7 @@ class TorchrunGroup:
     """`RankGroup`'s interface on rank 0 of a torchrun launch (see the note above)."""
 
     def __init__(self, world_size: int, target: Callable, args: tuple = (),
-                 cleanup: Callable[[], None] | None = None) -> None:
+                 cleanup: Callable[[], str | None] | None = None) -> None:
         rank, launched = torchrun_rank()
         if rank != 0:
             raise RuntimeError("only torchrun's rank 0 drives; others run run_torchrun_worker")
@@ -355,8 +403,20 @@ class TorchrunGroup:
                 self._cleanup()
 
 
+def check_not_bootstrapping() -> None:
+    """Refuse to start ranks from a spawned process that is still importing its parent's
+    main module: the script created an engine at import time, without the main guard."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise UserError(
+            "an engine was created while a braid rank process was starting: ranks are spawned, "
+            "which imports your script again, so the code that creates the engine (LLM(...)) "
+            "must not run at import time. Put it under `if __name__ == \"__main__\":` "
+            "(see the README's Python API example)")
+
+
 def launch_ranks(world_size: int, target: Callable, args: tuple = (),
-                 cleanup: Callable[[], None] | None = None) -> RankGroup | TorchrunGroup:
+                 cleanup: Callable[[], str | None] | None = None) -> RankGroup | TorchrunGroup:
     """Adopt torchrun's ranks when it started this process, else spawn ranks on this host."""
+    check_not_bootstrapping()
     group = TorchrunGroup if torchrun_rank() is not None else RankGroup
     return group(world_size, target, args, cleanup)

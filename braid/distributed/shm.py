@@ -81,12 +81,15 @@ class ShmSegment:
             os.close(fd)
         return segment
 
-    def unlink(self) -> None:
-        """Remove the file (idempotent)."""
+    def unlink(self) -> str:
+        """Remove the file (idempotent); a line saying whether shared memory was cleaned."""
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        except OSError as e:
+            return f"shared memory {self.path} could not be removed: {e}"
+        return f"shared memory {self.path} removed"
 
 
 def activation_slot_bytes(max_tokens: int, hidden_size: int, itemsize: int) -> int:

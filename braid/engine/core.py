@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from itertools import count
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from braid.config import EngineConfig, ModelConfig, UserError, auto_switch
-from braid.distributed.launch import launch_ranks
+from braid.distributed.launch import check_not_bootstrapping, launch_ranks
 from braid.distributed.shm import ShmSegment, activation_slot_bytes
 from braid.engine.batch import StepPlan, StepResult
 from braid.engine.kv_cache import BlockManager
@@ -23,6 +24,7 @@ from braid.engine.plan import build_plan
 from braid.engine.request import Request, SamplingParams, Sequence, SequenceDelta
 from braid.engine.scheduler import Scheduler
 from braid.engine.worker import worker_main
+from braid.loader.weight_cache import prepare_gguf_weights
 from braid.models.registry import model_class
 
 
@@ -49,8 +51,11 @@ class RankExecutor:
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        check_not_bootstrapping()
         # Refuse an unsupported architecture or split before launching.
         model_class(model_config).check_config(model_config, config.tp)
+        if config.cache and Path(config.model).is_file():
+            prepare_gguf_weights(config.model, model_config, config.torch_dtype)
         segment = None
         if config.comm == "shm" and config.tp > 1:
             segment = ShmSegment.create(config.tp, slot_bytes=activation_slot_bytes(

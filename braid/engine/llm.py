@@ -47,10 +47,11 @@ class LLM:
                  **engine_args) -> None:
         self.config = EngineConfig(model=model or default_model_path(), tp=tp, dtype=dtype,
                                    **engine_args)
-        self.model_config = load_model_config(self.config.model)
+        self.model_config = load_model_config(self.config.model, self.config.cache)
         executor = RankExecutor(self.config, self.model_config)
         try:
-            self.tokenizer = load_tokenizer(self.config.model)  # while the ranks load weights
+            # while the ranks load their weights
+            self.tokenizer = load_tokenizer(self.config.model, self.config.cache)
             executor.wait_ready()
         except BaseException:
             executor.close()

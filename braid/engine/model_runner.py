@@ -11,15 +11,21 @@ from braid.distributed.comm import SwitchableCommunicator
 from braid.engine.batch import ForwardBatch, StepPlan, StepResult
 from braid.engine.kv_cache import num_kv_blocks
 from braid.engine.sampler import postprocess
-from braid.loader.weights import load_weights
+from braid.loader.weights import load_weights, with_progress
 from braid.models.registry import model_class
 from braid.overlap.operations import execute, execute_overlapped
 from braid.overlap.split import split_step
 
 
-def checkpoint_weights(model_path: str, config: ModelConfig):
-    """Lazy (name, weight) pairs of a GGUF file or a safetensors folder."""
+def checkpoint_weights(model_path: str, config: ModelConfig, dtype: torch.dtype | None = None):
+    """Lazy (name, weight) pairs of a GGUF file (from braid's cache of its dequantised weights
+    in `dtype` when there is one) or of a safetensors folder."""
     if Path(model_path).is_file():
+        from braid.loader.weight_cache import cached_gguf_weights
+
+        weights = cached_gguf_weights(model_path, dtype) if dtype is not None else None
+        if weights is not None:
+            return weights
         from braid.loader.gguf import iterate_gguf
 
         return iterate_gguf(model_path, config)
@@ -51,7 +57,11 @@ class ModelRunner:
         self.generator.manual_seed(engine.seed)
         cls = model_class(config)
         self.model = cls(config, comm, engine.torch_dtype)
-        load_weights(self.model, checkpoint_weights(engine.model, config))
+        cache_dtype = engine.torch_dtype if engine.cache else None
+        weights = checkpoint_weights(engine.model, config, cache_dtype)
+        if comm.rank == 0:
+            weights = with_progress(weights, "loading weights", delay_s=2.0)
+        load_weights(self.model, weights)
         self.model.to(self.device).eval()
         self.operations = self.model.operations()
         self._allocate_kv_cache()

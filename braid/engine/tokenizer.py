@@ -5,20 +5,36 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from braid.cache import cached
 from braid.config import UserError
 
 
-def load_tokenizer(model: str):
-    """A `transformers` tokenizer that tokenizes exactly as the model's own (`tokenizer(text)`)."""
+def load_tokenizer(model: str, use_cache: bool = True):
+    """A `transformers` tokenizer that tokenizes exactly as the model's own (`tokenizer(text)`).
+
+    A GGUF file's vocabulary is converted once and kept in braid's cache (the conversion takes
+    seconds at every launch otherwise).
+    """
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     path = Path(model)
-    if path.is_file():
+    if not path.is_file():
+        return AutoTokenizer.from_pretrained(str(path))
+
+    def convert():
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(str(path))
+
+    def build(folder: Path) -> None:
+        convert().save_pretrained(str(folder))
+
+    def load(folder: Path):
+        return AutoTokenizer.from_pretrained(str(folder))
+
+    tokenizer = cached(path, "tokenizer", build, load) if use_cache else None
+    return tokenizer or convert()
 
 
 def apply_chat_template(tokenizer, prompt: str) -> list[int]:

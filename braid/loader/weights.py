@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
+
+T = TypeVar("T")
+
+
+def with_progress(items: Iterable[T], desc: str, delay_s: float) -> Iterable[T]:
+    """`items`, with a tqdm bar on stderr when it is a terminal and the loop lasts `delay_s`.
+
+    The bar gets a thread lock: tqdm's default multiprocessing lock is a semaphore that rank
+    processes, which end with `os._exit`, would leak.
+    """
+    if not sys.stderr.isatty():
+        return items
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+    return tqdm(items, desc=desc, unit="tensor", file=sys.stderr, delay=delay_s, leave=False)
 
 
 class LazyWeight(ABC):

@@ -28,7 +28,7 @@ def engine_process_main(config: EngineConfig, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        model_config = load_model_config(config.model)
+        model_config = load_model_config(config.model, config.cache)
         executor = RankExecutor(config, model_config)
         executor.wait_ready()
     except UserError as e:

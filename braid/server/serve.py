@@ -78,11 +78,11 @@ def served_name(model: str) -> str:
 
 def run_server(config: EngineConfig, settings: ServeSettings) -> int:
     """Serve until stopped; the process exit code (0 after a signal, 1 if the engine died)."""
-    model_config = load_model_config(config.model)
+    model_config = load_model_config(config.model, config.cache)
     model_class(model_config).check_config(model_config, config.tp)  # before any process starts
     engine = AsyncEngine(config)
     try:
-        tokenizer = load_tokenizer(config.model)  # while the engine loads the model
+        tokenizer = load_tokenizer(config.model, config.cache)  # while the engine loads the model
         engine.wait_ready()
         metrics = Metrics()
         ctx = ServerContext(
