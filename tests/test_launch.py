@@ -154,3 +154,19 @@ def test_a_script_without_the_main_guard_gets_a_clear_error(tmp_path):
     assert 'if __name__ == "__main__":' in proc.stderr
     assert "bootstrapping phase" not in proc.stderr  # multiprocessing's own message
     assert re.search(r"rank \d died \(while starting, exited with code 1", proc.stderr)
+
+
+def test_rank_processes_import_only_what_they_need():
+    """A rank imports the main module (`braid.cli` for the command) and the worker with its
+    weight loading; none of the front end (tokenizer, server, plots) or GGUF parsing."""
+    script = textwrap.dedent("""
+        import sys
+        import braid.cli, braid.engine.worker, braid.loader.weight_cache, braid.loader.safetensors
+        heavy = ("transformers", "tokenizers", "gguf", "fastapi", "uvicorn", "matplotlib",
+                 "openai", "httpx", "prometheus_client")
+        print(" ".join(m for m in heavy if m in sys.modules))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == []
