@@ -38,11 +38,21 @@ def cache_root() -> Path:
     return Path(base) / "braid"
 
 
+# The modules whose code decides what an entry holds: an edit to one (an editable install
+# keeps its version number) must not read entries its previous code wrote.
+_DERIVING_MODULES = ("cache.py", "config.py", "loader/gguf.py", "loader/weights.py",
+                     "loader/weight_cache.py", "engine/tokenizer.py")
+
+
 def braid_version() -> str:
+    """braid's package version and a hash of the modules that derive cache entries."""
     try:
-        return version("braid")
+        release = version("braid-llm")
     except PackageNotFoundError:  # running from a source tree that is not installed
-        return "unknown"
+        release = "unknown"
+    package = Path(__file__).parent
+    code = hashlib.sha256(b"".join((package / m).read_bytes() for m in _DERIVING_MODULES))
+    return f"{release}+{code.hexdigest()[:12]}"
 
 
 def entry_key(source: str | Path, kind: str, variant: str = "") -> str:

@@ -148,3 +148,10 @@ def test_no_cache_writes_nothing_and_answers_the_same(tmp_path):
             assert not (tmp_path / "xdg").exists()
     assert answers[0] == answers[1]
     assert len(list((tmp_path / "xdg" / "braid").iterdir())) == 3  # config, tokenizer, weights
+
+
+def test_keys_carry_the_installed_version_and_the_deriving_code():
+    from braid.cache import braid_version
+
+    release, code = braid_version().split("+")
+    assert release != "unknown" and len(code) == 12

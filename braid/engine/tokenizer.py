@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from importlib.metadata import version
 from pathlib import Path
 
 from braid.cache import cached
@@ -33,7 +34,9 @@ def load_tokenizer(model: str, use_cache: bool = True):
     def load(folder: Path):
         return AutoTokenizer.from_pretrained(str(folder))
 
-    tokenizer = cached(path, "tokenizer", build, load) if use_cache else None
+    # The conversion is transformers' code: a different version gets an entry of its own.
+    variant = f"transformers-{version('transformers')}"
+    tokenizer = cached(path, "tokenizer", build, load, variant) if use_cache else None
     return tokenizer or convert()
 
 
