@@ -28,6 +28,7 @@ from server_utils import free_port
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"  # the workspace's shared folder, for ../shared/data/mmlu
 DEFAULT_PORT = 30000  # braid serve's default
+SLOW_TIMEOUT_S = 3600  # a slow block (an evaluation, a benchmark loop) may run this long
 _BLOCK = re.compile(r"(?:<!-- doctest: (?P<mode>\w+) ?(?P<reason>[^>]*?) -->\n)?"
                     r"^```(?P<lang>bash|python)\n(?P<code>.*?)^```", re.S | re.M)
 
@@ -138,7 +139,7 @@ def run_block(block: Block, sandbox: Path, servers: dict) -> None:
         argv = [sys.executable, str(script)]
     else:
         argv = ["bash", "-euo", "pipefail", "-c", code]
-    timeout = 7200 if block.mode == "slow" else 600
+    timeout = SLOW_TIMEOUT_S - 60 if block.mode == "slow" else 540
     proc = subprocess.run(argv, cwd=sandbox, env=environment(), capture_output=True, text=True,
                           timeout=timeout)
     report = f"README line {block.line}:\n{code}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
@@ -148,7 +149,7 @@ def run_block(block: Block, sandbox: Path, servers: dict) -> None:
 
 
 def _param(block: Block):
-    marks = [pytest.mark.slow] if block.mode == "slow" else []
+    marks = [pytest.mark.slow, pytest.mark.timeout(SLOW_TIMEOUT_S)] if block.mode == "slow" else []
     return pytest.param(block, id=f"line{block.line}-{block.lang}-{block.mode}", marks=marks)
 
 

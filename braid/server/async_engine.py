@@ -135,15 +135,24 @@ class AsyncEngine:
                     return
                 self.process.join(1.0)
                 code = self.process.exitcode
-                self._loop.call_soon_threadsafe(
-                    self._fail, "the engine process exited" +
-                    (f" (exit code {code})" if code is not None else ""))
+                self._post(self._fail, "the engine process exited" +
+                           (f" (exit code {code})" if code is not None else ""))
                 return
             if message[0] == "fatal":
-                self._loop.call_soon_threadsafe(self._fail, message[1])
+                self._post(self._fail, message[1])
                 return
             _, deltas, stats = message
-            self._loop.call_soon_threadsafe(self._dispatch, deltas, stats)
+            if not self._post(self._dispatch, deltas, stats):
+                return
+
+    def _post(self, callback, *args) -> bool:
+        """Run `callback(*args)` on the event loop; False once the loop has closed (the server
+        is shutting down and the engine's last messages have nobody to go to)."""
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            return False
+        return True
 
     def _dispatch(self, deltas: list[SequenceDelta], stats: EngineStats) -> None:
         for delta in deltas:
