@@ -1,5 +1,5 @@
-"""Command line: `braid generate | serve | bench-one-batch | bench-comm | bench-dp-linear |
-make-random-model`."""
+"""The `braid` command line: generate, serve, the benchmarks and the evaluations (`braid --help`
+lists them)."""
 
 from __future__ import annotations
 

@@ -19,10 +19,10 @@ HEADS = [(9, 3), (4, 4), (6, 1)]  # (query heads, KV heads)
 
 
 def reference(q, keys, values, prefix, scale):
-    """q: [T, Hq, D]; keys, values: [Hk, prefix + T, D]; query t sees keys [0, prefix + t]."""
-    group = q.shape[1] // keys.shape[0]
-    k = keys.double().repeat_interleave(group, 0)
-    v = values.double().repeat_interleave(group, 0)
+    """q: [T, Hq, D]; keys, values: [prefix + T, Hk, D]; query t sees keys [0, prefix + t]."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.double().transpose(0, 1).repeat_interleave(group, 0)
+    v = values.double().transpose(0, 1).repeat_interleave(group, 0)
     scores = torch.einsum("thd,hkd->htk", q.double(), k) * scale
     t = torch.arange(q.shape[0])[:, None]
     scores.masked_fill_(torch.arange(k.shape[1])[None, :] > prefix + t, float("-inf"))
@@ -36,8 +36,8 @@ def close(actual, expected):
 def inputs(hq, hk, tokens, prefix, seed):
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(tokens, hq, 16, generator=gen),
-            torch.randn(hk, prefix + tokens, 16, generator=gen),
-            torch.randn(hk, prefix + tokens, 16, generator=gen))
+            torch.randn(prefix + tokens, hk, 16, generator=gen),
+            torch.randn(prefix + tokens, hk, 16, generator=gen))
 
 
 @pytest.mark.parametrize("heads", HEADS)
@@ -53,8 +53,7 @@ def test_causal_attention_matches_the_reference(heads, prefix):
 @pytest.mark.parametrize("heads", HEADS)
 def test_batched_causal_attention_matches_the_reference(heads):
     prompts = [inputs(*heads, 20, 0, seed=s) for s in range(3)]
-    q, k, v = (torch.stack([p[i] if i == 0 else p[i].transpose(0, 1) for p in prompts])
-               for i in range(3))
+    q, k, v = (torch.stack([p[i] for p in prompts]) for i in range(3))
     out = batched_causal_attention(q, k, v, 0.3)
     for b, (pq, pk, pv) in enumerate(prompts):
         close(out[b], reference(pq, pk, pv, 0, 0.3))
@@ -67,10 +66,10 @@ def test_decode_attention_matches_the_reference(heads, decode):
     gen = torch.Generator().manual_seed(hq)
     lengths, width = [40, 1, 17, 33], 48
     q = torch.randn(len(lengths), hq, 16, generator=gen)
-    keys = torch.randn(hk, len(lengths), width, 16, generator=gen)
-    values = torch.randn(hk, len(lengths), width, 16, generator=gen)
+    keys = torch.randn(len(lengths), width, hk, 16, generator=gen)
+    values = torch.randn(len(lengths), width, hk, 16, generator=gen)
     key_mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None])[:, None, None]
     out = decode(q, keys, values, key_mask, 0.3)
     for b, length in enumerate(lengths):
-        close(out[b:b + 1], reference(q[b:b + 1], keys[:, b, :length], values[:, b, :length],
+        close(out[b:b + 1], reference(q[b:b + 1], keys[b, :length], values[b, :length],
                                       length - 1, 0.3))

@@ -43,20 +43,21 @@ PREFILL_SHAPES = [(1, 128, 0), (1, 512, 0), (8, 512, 0), (1, 2048, 0), (1, 512, 
 
 
 def grouped_matmul_decode(q, keys, values, key_mask, scale):
-    """q: [B, Hq, D]; keys, values: [Hk, B, L, D]; key_mask: [B, 1, 1, L] -> [B, Hq, D]."""
-    hk, batch, _, dim = keys.shape
-    queries = q.view(batch, hk, -1, dim).transpose(0, 1)  # [Hk, B, g, D]
-    scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale
-    scores.masked_fill_(~key_mask.view(1, batch, 1, -1), float("-inf"))
-    out = torch.matmul(scores.softmax(-1).to(values.dtype), values)
-    return out.permute(1, 0, 2, 3).reshape(batch, q.shape[1], -1)
+    """q: [B, Hq, D]; keys, values: [B, L, Hk, D]; key_mask: [B, 1, 1, L] -> [B, Hq, D]."""
+    batch, _, hk, dim = keys.shape
+    queries = q.view(batch, hk, -1, dim)  # [B, Hk, g, D]
+    scores = torch.matmul(queries, keys.permute(0, 2, 3, 1)).float() * scale  # [B, Hk, g, L]
+    scores.masked_fill_(~key_mask, float("-inf"))
+    out = torch.matmul(scores.softmax(-1).to(values.dtype), values.transpose(1, 2))
+    return out.reshape(batch, q.shape[1], -1)
 
 
 def blocked_matmul_causal(q, keys, values, prefix, scale, block=256):
-    """One sequence: q: [T, Hq, D]; keys, values: [Hk, prefix + T, D]; query blocks attend only
+    """One sequence: q: [T, Hq, D]; keys, values: [prefix + T, Hk, D]; query blocks attend only
     to keys up to their diagonal -> [T, Hq, D]."""
     tokens, hq, dim = q.shape
-    hk = keys.shape[0]
+    hk = keys.shape[1]
+    keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [Hk, K, D]
     group = hq // hk
     queries = q.view(tokens, hk, group, dim).transpose(0, 1).reshape(hk, tokens * group, dim)
     out = torch.empty(hk, tokens * group, values.shape[-1], dtype=values.dtype)
@@ -88,16 +89,13 @@ def decode_paths(batch: int, context: int, hq: int, hk: int, dim: int, dtype: to
     lengths = torch.randint(context // 2, context + 1, (batch,), generator=gen)
     lengths[0] = context
     q = torch.randn(batch, hq, dim, generator=gen).to(dtype)
-    keys = torch.randn(hk, batch, context, dim, generator=gen).to(dtype)
-    values = torch.randn(hk, batch, context, dim, generator=gen).to(dtype)
+    keys = torch.randn(batch, context, hk, dim, generator=gen).to(dtype)  # as gathered
+    values = torch.randn(batch, context, hk, dim, generator=gen).to(dtype)
     key_mask = (torch.arange(context)[None, :] < lengths[:, None])[:, None, None]
     scale = dim ** -0.5
-    # The previous layout: gathered [B, L, kv, D] rows viewed as [B, kv, L, D].
-    old_keys = keys.permute(1, 2, 0, 3).contiguous()
-    old_values = values.permute(1, 2, 0, 3).contiguous()
     return {
         "sdpa-padded": lambda: F.scaled_dot_product_attention(
-            q[:, :, None], old_keys.transpose(1, 2), old_values.transpose(1, 2),
+            q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=key_mask, enable_gqa=hq != hk),
         "engine": lambda: decode_attention(q, keys, values, key_mask, scale),
         "grouped-matmul": lambda: grouped_matmul_decode(q, keys, values, key_mask, scale),
@@ -109,18 +107,19 @@ def prefill_paths(batch: int, tokens: int, prefix: int, hq: int, hk: int, dim: i
     """{path: callable}: `batch` sequences of `tokens` new tokens after `prefix` cached ones."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(batch, tokens, hq, dim, generator=gen).to(dtype)
-    keys = torch.randn(batch, hk, prefix + tokens, dim, generator=gen).to(dtype)
-    values = torch.randn(batch, hk, prefix + tokens, dim, generator=gen).to(dtype)
+    keys = torch.randn(batch, prefix + tokens, hk, dim, generator=gen).to(dtype)
+    values = torch.randn(batch, prefix + tokens, hk, dim, generator=gen).to(dtype)
     scale = dim ** -0.5
     if prefix == 0:
-        new_k, new_v = keys.transpose(1, 2), values.transpose(1, 2)  # [B, T, Hk, D]
         padded = lambda: F.scaled_dot_product_attention(  # noqa: E731
-            q.transpose(1, 2), keys, values, is_causal=True, enable_gqa=hq != hk)
-        engine = lambda: batched_causal_attention(q, new_k, new_v, scale)  # noqa: E731
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), is_causal=True,
+            enable_gqa=hq != hk)
+        engine = lambda: batched_causal_attention(q, keys, values, scale)  # noqa: E731
     else:
         mask = prefix_causal_mask(tokens, prefix, q.device)
         padded = lambda: F.scaled_dot_product_attention(  # noqa: E731
-            q.transpose(1, 2), keys, values, attn_mask=mask[None, None], enable_gqa=hq != hk)
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask[None, None], enable_gqa=hq != hk)
         engine = lambda: [causal_attention(q[b], keys[b], values[b], mask, scale)  # noqa: E731
                           for b in range(batch)]
     return {"sdpa-padded": padded, "engine": engine,

@@ -17,8 +17,8 @@ from braid.layers.attention_ops import (
 class PagedAttention(nn.Module):
     """Writes the step's keys and values into the cache, then attends over each sequence's keys.
 
-    The cache tensors (`[kv_heads, num_blocks, block_size, head_dim]`: head-major, so a head's
-    gathered keys are one matrix) are attached by the model runner after it has sized the cache.
+    The cache tensors (`[num_blocks, block_size, kv_heads, head_dim]`) are attached by the model
+    runner after it has sized the cache.
     They start zeroed, so the unused tail of a sequence's last block holds finite values, which
     the length mask then excludes.
     """
@@ -35,7 +35,7 @@ class PagedAttention(nn.Module):
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> None:
         """Zeroed: masked-out keys must still be finite (0 * NaN would poison the output)."""
-        shape = (self.num_kv_heads, num_blocks, block_size, self.head_dim)
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -68,18 +68,17 @@ class PagedAttention(nn.Module):
         rows = slice(meta.q_starts[b], meta.q_starts[b] + meta.q_lens[b])
         blocks = meta.key_blocks[b]
         if blocks is None:  # a fresh prompt: its keys are the new ones
-            keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            keys, values = k[rows], v[rows]
         else:
-            keys = gather_blocks(self.k_cache, blocks[None])[:, 0, :meta.kv_lens[b]]
-            values = gather_blocks(self.v_cache, blocks[None])[:, 0, :meta.kv_lens[b]]
+            keys = gather_blocks(self.k_cache, blocks[None])[0, :meta.kv_lens[b]]
+            values = gather_blocks(self.v_cache, blocks[None])[0, :meta.kv_lens[b]]
         return causal_attention(q[rows], keys, values, meta.masks[b], self.scale)
 
 
 def write_cache(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store the step's per-token rows `new` ([T, heads, ...]) at their slots of a head-major
-    cache ([heads, num_blocks, block_size, ...])."""
-    heads, num_blocks, block_size, *row = cache.shape
-    cache.view(heads, num_blocks * block_size, *row)[:, slot_mapping] = new.transpose(0, 1)
+    """Store the step's per-token rows `new` ([T, ...]) at their slots of a cache
+    ([num_blocks, block_size, ...])."""
+    cache.view(-1, *new.shape[1:])[slot_mapping] = new
 
 
 def concat_groups(outputs: list[torch.Tensor]) -> torch.Tensor:
@@ -88,9 +87,9 @@ def concat_groups(outputs: list[torch.Tensor]) -> torch.Tensor:
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[B, blocks] block ids -> [heads, B, blocks * block_size, ...] keys of a head-major
-    cache, one row copy per block and head (index_select on a 3-D view copies whole rows,
-    several times faster than fancy indexing)."""
-    heads, num_blocks, block_size, *row = cache.shape
-    rows = cache.view(heads, num_blocks, -1).index_select(1, block_tables.flatten())
-    return rows.view(heads, block_tables.shape[0], -1, *row)
+    """[B, blocks] block ids -> [B, blocks * block_size, ...] (the cache's per-token shape), one
+    row copy per block (index_select on a 2-D view copies whole rows, several times faster than
+    fancy indexing or a gather along another dimension)."""
+    num_blocks, block_size, *token_shape = cache.shape
+    rows = cache.view(num_blocks, -1).index_select(0, block_tables.flatten())
+    return rows.view(block_tables.shape[0], -1, *token_shape)

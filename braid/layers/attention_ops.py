@@ -1,5 +1,5 @@
-"""Attention kernels, one per shape of work, over head-major keys (`[kv_heads, ..., keys, dim]`,
-as the paged cache stores them).
+"""Attention kernels, one per shape of work, over token-major keys (`[..., keys, kv_heads,
+dim]`, as the paged cache stores them and its gather returns them; SDPA reads them strided).
 
 Each is PyTorch's fused SDPA called the way that measured fastest for its shape (`braid
 bench-attention` prints the table; GEMM-and-softmax variants that skip the masked triangle
@@ -21,11 +21,11 @@ import torch.nn.functional as F
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      key_mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [B, Hq, D]; keys: [Hk, B, L, D]; values: [Hk, B, L, Dv]; key_mask: [B, 1, 1, L]
+    """q: [B, Hq, D]; keys: [B, L, Hk, D]; values: [B, L, Hk, Dv]; key_mask: [B, 1, 1, L]
     bool (True for a sequence's keys, False past its length) -> [B, Hq, Dv]."""
-    hk, batch, _, dim = keys.shape
+    batch, _, hk, dim = keys.shape
     queries = q.view(batch, hk, -1, dim)  # [B, Hk, g, D]
-    out = F.scaled_dot_product_attention(queries, keys.transpose(0, 1), values.transpose(0, 1),
+    out = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=key_mask, scale=scale)
     return out.reshape(batch, q.shape[1], -1)
 
@@ -38,10 +38,11 @@ def prefix_causal_mask(tokens: int, prefix: int, device: torch.device) -> torch.
 
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """The new tokens of one sequence. q: [T, Hq, D]; keys: [Hk, K, D]; values: [Hk, K, Dv];
+    """The new tokens of one sequence. q: [T, Hq, D]; keys: [K, Hk, D]; values: [K, Hk, Dv];
     mask: `prefix_causal_mask` when K > T (a cached prefix), None when K == T -> [T, Hq, Dv]."""
-    gqa = q.shape[1] != keys.shape[0]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+    gqa = q.shape[1] != keys.shape[1]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                         values.transpose(0, 1)[None],
                                          attn_mask=mask, is_causal=mask is None, scale=scale,
                                          enable_gqa=gqa)
     return out[0].transpose(0, 1)
