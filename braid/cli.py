@@ -1,5 +1,5 @@
-"""Command line: `braid generate | serve | bench-one-batch | bench-comm | bench-dp-linear |
-make-random-model`."""
+"""The `braid` command line: generate, serve, the benchmarks and the evaluations (`braid --help`
+lists them)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp-linear-min-tokens", type=int, default=None,
                         help="tokens per step from which --dp-linear auto splits (default: 32 "
                              "on CPU, 4096 on CUDA; measure yours with bench-dp-linear)")
+    parser.add_argument("--quantization", choices=["none", "int8"], default="none",
+                        help="int8: per-channel int8 copies of the linear weights, used by GEMMs "
+                             "of a few rows (decode at small batch; bf16/fp16 models)")
     parser.add_argument("--no-cache", dest="cache", action="store_false",
                         help="neither read nor write braid's cache of what is derived from a "
                              "GGUF file (config, tokenizer, dequantised weights; kept under "
@@ -83,7 +86,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 overlap=args.overlap, overlap_min_tokens=args.overlap_min_tokens,
                 tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
                 dp_linear=args.dp_linear, dp_linear_min_tokens=args.dp_linear_min_tokens,
-                device=args.device, trace=args.trace, cache=args.cache)
+                device=args.device, trace=args.trace, cache=args.cache,
+                quantization=args.quantization)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -180,6 +184,12 @@ def cmd_bench_one_batch(args: argparse.Namespace) -> None:
     from braid.bench.one_batch import run_bench_one_batch
 
     run_bench_one_batch(args)
+
+
+def cmd_bench_attention(args: argparse.Namespace) -> None:
+    from braid.bench.attention import run_bench_attention
+
+    run_bench_attention(args)
 
 
 def cmd_bench_comm(args: argparse.Namespace) -> None:
@@ -315,6 +325,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=int, default=2,
                        help="timed runs per sweep point or compared mode (the fastest counts)")
     bench.set_defaults(func=cmd_bench_one_batch)
+
+    attn = sub.add_parser("bench-attention",
+                          help="each attention path at the engine's shapes, side by side")
+    attn.add_argument("--model", default=None, help="whose head counts and head dim to use "
+                                                    "(default: the embedded model)")
+    attn.add_argument("--tp", type=int, default=1, help="shape of rank 0's heads at this tp")
+    attn.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    attn.add_argument("--repeat", type=int, default=20, help="timed calls per path (median)")
+    attn.add_argument("--result-file", default=None, help="append one JSONL row per path")
+    attn.set_defaults(func=cmd_bench_attention)
 
     comm = sub.add_parser("bench-comm", help="collective latency and bandwidth per backend")
     comm.add_argument("--tp", type=int, default=2)

@@ -212,6 +212,7 @@ class EngineConfig:
     dp_linear_min_tokens: int | None = None  # None: the measured default of the device
     trace: str | None = None
     cache: bool = True  # braid's cache of derived checkpoint files (--no-cache: off)
+    quantization: str = "none"  # "int8": int8 weight copies for GEMMs of few rows
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -242,6 +243,8 @@ class EngineConfig:
             raise UserError("--tbo-token-distribution-threshold must be in (0, 0.5]")
         if self.max_num_batched_tokens < 1:
             raise UserError("--max-num-batched-tokens must be at least 1")
+        if self.quantization not in ("none", "int8"):
+            raise UserError(f"--quantization must be none or int8, got {self.quantization!r}")
         if self.max_running_requests < 1:
             raise UserError("--max-running-requests must be at least 1")
         if self.max_total_tokens < self.block_size * 2:

@@ -223,7 +223,7 @@ def base_row(args: argparse.Namespace, **fields) -> dict:
     """The JSONL fields that describe a run's configuration."""
     row = {"backend": args.backend, "model": args.model, "tp": args.tp, "dtype": args.dtype,
            "comm": args.comm, "overlap": args.overlap, "dp_linear": args.dp_linear,
-           "skip_comm": args.skip_comm,
+           "skip_comm": args.skip_comm, "quantization": args.quantization,
            "batch_size": args.batch_size, "input_len": args.input_len,
            "output_len": args.output_len, "cores": len(usable_cores())}
     row.update(fields)
@@ -235,6 +235,7 @@ def print_header(row: dict) -> None:
     print(f"Benchmark: backend={row['backend']} tp={row['tp']} dtype={row['dtype']} "
           f"comm={row['comm']} overlap={row['overlap']} dp_linear={row['dp_linear']}"
           f"{' skip_comm' if row['skip_comm'] else ''}"
+          f"{' quantization=int8' if row['quantization'] == 'int8' else ''}"
           f" batch_size={row['batch_size']} input_len={row['input_len']} "
           f"output_len={row['output_len']} cores={row['cores']}")
 

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from braid.engine.request import TokenLogprob
+from braid.layers.attention_ops import prefix_causal_mask
 
 
 @dataclass
@@ -94,22 +95,26 @@ class StepResult:
 
 @dataclass
 class AttentionMetadata:
-    """Index tensors for attention over the paged KV cache, built once per step for all layers
-    (for one group of sequences, see `AttentionGroup`).
+    """How one group of sequences attends (see `AttentionGroup` and `attention_ops`), built
+    once per step for all layers.
 
-    Sequences are laid out padded, [B, max_q] queries against [B, blocks * block_size] keys
-    gathered block by block through the block tables. When every sequence is a fresh prompt of
-    the same length (`fresh_causal`), keys come straight from the new tokens and attention is
-    plainly causal, so no gather or mask is needed.
+    A decode group (one new token per sequence) attends in one call through its block tables,
+    `key_mask` marking each sequence's keys. Fresh prompts of equal length attend in one causal
+    call to their new keys (`equal_fresh`). Otherwise each sequence attends on its own: a fresh
+    prompt to its new keys, a chunk after a cached prefix to the blocks that hold its keys (the
+    step's new keys are written there first) under its own prefix-causal mask.
     """
 
     batch_size: int
-    max_q: int
-    fresh_causal: bool
-    q_gather: torch.Tensor | None  # [B * max_q] token index per padded query (None: identity)
-    q_scatter: torch.Tensor | None  # [T] padded position of each real token (None: identity)
-    block_tables: torch.Tensor | None  # [B, blocks] KV blocks of each sequence
-    mask: torch.Tensor | None  # [B, 1, max_q, blocks * block_size] bool, True = attend
+    decode: bool
+    equal_fresh: bool
+    q_starts: list[int]  # each sequence's first token, relative to the group's first
+    q_lens: list[int]
+    kv_lens: list[int]
+    block_tables: torch.Tensor | None = None  # decode: [B, blocks]
+    key_mask: torch.Tensor | None = None  # decode: [B, 1, 1, blocks * block_size] bool
+    key_blocks: list[torch.Tensor | None] | None = None  # prefill, per sequence; None: fresh
+    masks: list[torch.Tensor | None] | None = None  # prefill, per sequence; None: fresh
 
 
 @dataclass
@@ -122,36 +127,32 @@ class AttentionGroup:
 
 def build_attention_metadata(q_lens: np.ndarray, kv_lens: np.ndarray, block_tables: np.ndarray,
                              block_size: int, device: torch.device) -> AttentionMetadata:
-    """Index tensors and mask for sequences that attend together; keys past a sequence's length
-    are masked out."""
-    q_lens, kv_lens = torch.from_numpy(q_lens), torch.from_numpy(kv_lens)
-    batch, max_q = len(q_lens), int(q_lens.max())
-    if bool((q_lens == kv_lens).all()) and bool((q_lens == max_q).all()):
-        return AttentionMetadata(batch, max_q, True, None, None, None, None)
-    num_blocks = -(-int(kv_lens.max()) // block_size)
-    tables = torch.from_numpy(block_tables[:, :num_blocks])
-    j = torch.arange(num_blocks * block_size)
-    i = torch.arange(max_q)
-    query_valid = i[None, :] < q_lens[:, None]  # [B, max_q]
-    causal_limit = (kv_lens - q_lens)[:, None, None] + i[None, :, None]  # [B, max_q, 1]
-    mask = (j[None, None, :] <= causal_limit) & (j < kv_lens[:, None])[:, None, :]
-    # Padded query rows attend to key 0 only, so no row is fully masked (that would give NaN).
-    mask |= (~query_valid)[:, :, None] & (j == 0)[None, None, :]
-    q_gather = q_scatter = None
-    if max_q > 1 and not bool((q_lens == max_q).all()):
-        starts = torch.cumsum(q_lens, 0) - q_lens
-        q_gather = (starts[:, None] + i[None, :]).masked_fill(~query_valid, 0).reshape(-1)
-        q_scatter = (torch.arange(batch)[:, None] * max_q + i[None, :])[query_valid]
-        q_gather, q_scatter = q_gather.to(device), q_scatter.to(device)
-    return AttentionMetadata(batch, max_q, False, q_gather, q_scatter, tables.to(device),
-                             mask[:, None].to(device))
+    """The metadata of sequences that attend together (see `AttentionMetadata`)."""
+    fresh = q_lens == kv_lens
+    meta = AttentionMetadata(
+        batch_size=len(q_lens), decode=bool((q_lens == 1).all()) and not fresh.all(),
+        equal_fresh=bool(fresh.all()) and bool((q_lens == q_lens[0]).all()),
+        q_starts=np.concatenate([[0], np.cumsum(q_lens)[:-1]]).tolist(),
+        q_lens=q_lens.tolist(), kv_lens=kv_lens.tolist())
+    blocks = -(-kv_lens // block_size)  # blocks holding each sequence's keys
+    if meta.decode:
+        width = int(blocks.max())
+        meta.block_tables = torch.from_numpy(block_tables[:, :width]).to(device)
+        key_mask = np.arange(width * block_size)[None, :] < kv_lens[:, None]
+        meta.key_mask = torch.from_numpy(key_mask[:, None, None, :]).to(device)
+    else:
+        meta.key_blocks = [None if is_fresh else torch.from_numpy(block_tables[b, :n]).to(device)
+                           for b, (is_fresh, n) in enumerate(zip(fresh, blocks))]
+        meta.masks = [None if is_fresh else prefix_causal_mask(int(q), int(kv - q), device)
+                      for is_fresh, q, kv in zip(fresh, q_lens, kv_lens)]
+    return meta
 
 
 def build_attention_groups(plan: StepPlan, block_size: int,
                            device: torch.device) -> list[AttentionGroup]:
     """One group for the whole step, or two when decode rows (one query each) come first and
-    prompt rows after, as the scheduler orders a mixed step: padded to the prompts' longest
-    chunk, every decode row would otherwise cost as much attention as a whole chunk."""
+    prompt rows after, as the scheduler orders a mixed step: the decode rows then attend in one
+    batched call instead of one by one with the prompts."""
     decodes = int(np.argmin(plan.q_lens == 1)) if (plan.q_lens > 1).any() else 0
     if decodes == 0 or (plan.q_lens[decodes:] == 1).any():
         cuts = [(0, len(plan.q_lens))]

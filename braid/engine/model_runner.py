@@ -11,6 +11,7 @@ from braid.distributed.comm import SwitchableCommunicator
 from braid.engine.batch import ForwardBatch, StepPlan, StepResult
 from braid.engine.kv_cache import num_kv_blocks
 from braid.engine.sampler import postprocess
+from braid.layers.quant import quantize_linear_layers
 from braid.loader.weights import load_weights, with_progress
 from braid.models.registry import model_class
 from braid.overlap.operations import execute, execute_overlapped
@@ -62,6 +63,8 @@ class ModelRunner:
         if comm.rank == 0:
             weights = with_progress(weights, "loading weights", delay_s=2.0)
         load_weights(self.model, weights)
+        if engine.quantization == "int8":
+            quantize_linear_layers(self.model)
         self.model.to(self.device).eval()
         self.operations = self.model.operations()
         self._allocate_kv_cache()

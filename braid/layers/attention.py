@@ -1,20 +1,26 @@
-"""Attention over a paged KV cache, for prefill (with or without a cached prefix) and decode."""
+"""Attention over a paged KV cache, for prefill (with or without a cached prefix) and decode:
+the kernel is chosen by the shape of each group of sequences (see `attention_ops`)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from braid.engine.batch import AttentionMetadata, ForwardBatch
+from braid.layers.attention_ops import (
+    batched_causal_attention,
+    causal_attention,
+    decode_attention,
+)
 
 
 class PagedAttention(nn.Module):
-    """Writes the step's keys and values into the cache, then attends over each sequence's cache.
+    """Writes the step's keys and values into the cache, then attends over each sequence's keys.
 
     The cache tensors (`[num_blocks, block_size, kv_heads, head_dim]`) are attached by the model
-    runner after it has sized the cache. They start zeroed, so the unused tail of a sequence's
-    last block holds finite values, which the mask then excludes.
+    runner after it has sized the cache.
+    They start zeroed, so the unused tail of a sequence's last block holds finite values, which
+    the length mask then excludes.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -22,6 +28,7 @@ class PagedAttention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -35,42 +42,54 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
-        self.k_cache.view(-1, *k.shape[1:])[batch.slot_mapping] = k
-        self.v_cache.view(-1, *v.shape[1:])[batch.slot_mapping] = v
+        write_cache(self.k_cache, k, batch.slot_mapping)
+        write_cache(self.v_cache, v, batch.slot_mapping)
         return concat_groups([self._attend(q[g.tokens], k[g.tokens], v[g.tokens], g.meta)
                               for g in batch.attn_groups])
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """One group of sequences (see `AttentionGroup`)."""
-        b, max_q = meta.batch_size, meta.max_q
-        gqa = self.num_heads != self.num_kv_heads
-        if meta.fresh_causal:
-            out = F.scaled_dot_product_attention(
-                q.view(b, max_q, -1, self.head_dim).transpose(1, 2),
-                k.view(b, max_q, -1, self.head_dim).transpose(1, 2),
-                v.view(b, max_q, -1, self.head_dim).transpose(1, 2),
-                is_causal=True, enable_gqa=gqa)
-            return out.transpose(1, 2).reshape(q.shape[0], -1)
-        q_padded = q if meta.q_gather is None else q[meta.q_gather]
-        keys = gather_blocks(self.k_cache, meta.block_tables).transpose(1, 2)  # [B, kv, keys, D]
-        values = gather_blocks(self.v_cache, meta.block_tables).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q_padded.view(b, max_q, -1, self.head_dim).transpose(1, 2), keys, values,
-            attn_mask=meta.mask, enable_gqa=gqa)
-        out = out.transpose(1, 2).reshape(b * max_q, -1)
-        return out if meta.q_scatter is None else out[meta.q_scatter]
+        """One group of sequences (see `AttentionMetadata` for the three ways)."""
+        if meta.decode:
+            keys = gather_blocks(self.k_cache, meta.block_tables)
+            values = gather_blocks(self.v_cache, meta.block_tables)
+            out = decode_attention(q, keys, values, meta.key_mask, self.scale)
+        elif meta.equal_fresh:
+            shape = (meta.batch_size, meta.q_lens[0], -1, self.head_dim)
+            out = batched_causal_attention(q.view(shape), k.view(shape), v.view(shape),
+                                           self.scale)
+        else:
+            out = concat_groups([
+                self._attend_sequence(q, k, v, meta, b) for b in range(meta.batch_size)])
+        return out.reshape(q.shape[0], -1)
+
+    def _attend_sequence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         meta: AttentionMetadata, b: int) -> torch.Tensor:
+        rows = slice(meta.q_starts[b], meta.q_starts[b] + meta.q_lens[b])
+        blocks = meta.key_blocks[b]
+        if blocks is None:  # a fresh prompt: its keys are the new ones
+            keys, values = k[rows], v[rows]
+        else:
+            keys = gather_blocks(self.k_cache, blocks[None])[0, :meta.kv_lens[b]]
+            values = gather_blocks(self.v_cache, blocks[None])[0, :meta.kv_lens[b]]
+        return causal_attention(q[rows], keys, values, meta.masks[b], self.scale)
+
+
+def write_cache(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the step's per-token rows `new` ([T, ...]) at their slots of a cache
+    ([num_blocks, block_size, ...])."""
+    cache.view(-1, *new.shape[1:])[slot_mapping] = new
 
 
 def concat_groups(outputs: list[torch.Tensor]) -> torch.Tensor:
-    """The attention groups' outputs in step order; one group (most steps) is not copied."""
+    """Outputs in step order; a single one (most steps) is not copied."""
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[B, blocks] block ids -> [B, blocks * block_size, ...] (the cache's per-token shape), one
     row copy per block (index_select on a 2-D view copies whole rows, several times faster than
-    fancy indexing)."""
+    fancy indexing or a gather along another dimension)."""
     num_blocks, block_size, *token_shape = cache.shape
     rows = cache.view(num_blocks, -1).index_select(0, block_tables.flatten())
     return rows.view(block_tables.shape[0], -1, *token_shape)

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from braid.distributed.comm import Communicator, Handle
 from braid.layers.partition import HeadShard, split_range
+from braid.layers.quant import Quantizable, linear
 from braid.loader.weights import LazyWeight
 
 
@@ -27,7 +27,7 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.copy_(src)
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(nn.Module, Quantizable):
     """Full weight on every rank; every rank computes the same output."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
@@ -45,10 +45,10 @@ class ReplicatedLinear(nn.Module):
         _copy_checked(param.data, weight.load(), "replicated weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.int8)
 
 
-class DataParallelLinear(nn.Module):
+class DataParallelLinear(nn.Module, Quantizable):
     """A replicated projection whose work can be split over tokens instead of repeated.
 
     Every rank holds the full weight, fused from several checkpoint tensors (`out_features`
@@ -76,7 +76,7 @@ class DataParallelLinear(nn.Module):
                       f"fused replicated part {shard_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, int8=self.int8)
 
     def forward_async(self, x: torch.Tensor) -> Handle:
         """Start the token-split product; `wait()` returns all rows, as `forward(x)` would."""
@@ -88,11 +88,11 @@ class DataParallelLinear(nn.Module):
         local = x[start:start + rows]
         if local.shape[0] < rows:  # the tail ranks compute zero rows that are dropped again
             local = torch.cat([local, local.new_zeros(rows - local.shape[0], x.shape[1])])
-        gathered = self.comm.all_gather_async(F.linear(local, self.weight))
+        gathered = self.comm.all_gather_async(linear(local, self.weight, int8=self.int8))
         return Handle(lambda: gathered.wait()[:tokens], "dp_linear")
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(nn.Module, Quantizable):
     """Output features split over ranks; each logical output (a shard) is split separately.
 
     `out_features` lists the logical outputs fused into one GEMM (one entry for a plain column
@@ -125,7 +125,7 @@ class ColumnParallelLinear(nn.Module):
                       f"column shard {shard_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.int8)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -150,7 +150,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                          shard_ids=["q", "k", "v"], bias=bias, dtype=dtype)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(nn.Module, Quantizable):
     """Input features split over ranks; partial outputs are summed over ranks.
 
     With `reduce=False` the caller owns the all-reduce (to launch it asynchronously, or to fuse
@@ -176,5 +176,5 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.comm.rank == 0 else None
-        y = F.linear(x, self.weight, bias)
+        y = linear(x, self.weight, bias, self.int8)
         return self.comm.all_reduce(y) if self.reduce else y

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from braid.engine.batch import AttentionMetadata, ForwardBatch
-from braid.layers.attention import concat_groups, gather_blocks
+from braid.layers.attention import concat_groups, gather_blocks, write_cache
+from braid.layers.attention_ops import causal_attention, decode_attention, prefix_causal_mask
 
 
 class LatentAttention(nn.Module):
@@ -39,8 +40,8 @@ class LatentAttention(nn.Module):
 
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> None:
-        """Zeroed, so masked-out slots hold finite values."""
-        shape = (num_blocks, block_size, self.kv_lora_rank + self.rope_dim)
+        """Zeroed, so masked-out slots hold finite values; one shared KV "head"."""
+        shape = (num_blocks, block_size, 1, self.kv_lora_rank + self.rope_dim)
         self.cache = torch.zeros(shape, dtype=dtype, device=device)
 
     def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
@@ -48,58 +49,60 @@ class LatentAttention(nn.Module):
         """q_nope: [T, heads, nope], q_rope: [T, heads, rope], latent: [T, kv_lora + rope]
         (the step's new tokens), kv_b_weight: [heads * (nope + v), kv_lora] for this rank's
         heads -> [T, heads * v]."""
-        self.cache.view(-1, latent.shape[-1])[batch.slot_mapping] = latent
+        write_cache(self.cache, latent[:, None], batch.slot_mapping)
         kv_b = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return concat_groups([self._attend(q_nope[g.tokens], q_rope[g.tokens], latent[g.tokens],
                                            kv_b, g.meta) for g in batch.attn_groups])
 
     def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
                 kv_b: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """One group of sequences (see `AttentionGroup`): absorbed for decode rows."""
-        absorbed = self.mode == "absorbed" or (self.mode == "auto" and meta.max_q == 1)
-        if meta.fresh_causal:
-            keys = latent.view(meta.batch_size, meta.max_q, -1)  # the new tokens are all keys
-        else:
-            keys = gather_blocks(self.cache, meta.block_tables)  # [B, keys, kv_lora + rope]
-            if meta.q_gather is not None:
-                q_nope, q_rope = q_nope[meta.q_gather], q_rope[meta.q_gather]
+        """One group of sequences (see `AttentionMetadata`): decode rows absorbed, in one call;
+        otherwise sequence by sequence."""
+        absorbed = self.mode == "absorbed" or (self.mode == "auto" and meta.decode)
+        w_k, w_v = kv_b.split([self.nope_dim, self.v_dim], dim=1)  # [h, nope|v, kv_lora]
         if absorbed:
-            out = self._absorbed(q_nope, q_rope, keys, kv_b, meta)
+            q_latent = torch.bmm(q_nope.transpose(0, 1), w_k).transpose(0, 1)  # [T, h, lora]
+            q = torch.cat([q_latent, q_rope], dim=-1)
         else:
-            out = self._expanded(q_nope, q_rope, keys, kv_b, meta)
-        out = out.reshape(-1, self.num_heads * self.v_dim)
-        return out if meta.fresh_causal or meta.q_scatter is None else out[meta.q_scatter]
+            q = torch.cat([q_nope, q_rope], dim=-1)
+        if absorbed and meta.decode:
+            keys = gather_blocks(self.cache, meta.block_tables)  # [B, L, 1, kv_lora + rope]
+            # The values are the latents' first kv_lora_rank columns. Passing the whole rows
+            # keeps one head size (SDPA's fused path, about 1.8x faster here); the extra
+            # output columns are dropped.
+            out = decode_attention(q, keys, keys, meta.key_mask, self.scale)
+        else:
+            out = concat_groups([self._attend_sequence(q, latent, kv_b, meta, b, absorbed)
+                                 for b in range(meta.batch_size)])
+        if absorbed:  # [T, h, kv_lora] -> [T, h, v]
+            out = out[..., :self.kv_lora_rank].transpose(0, 1)
+            out = torch.bmm(out, w_v.transpose(1, 2)).transpose(0, 1)
+        return out.reshape(-1, self.num_heads * self.v_dim)
 
-    def _expanded(self, q_nope, q_rope, keys, kv_b, meta) -> torch.Tensor:
-        b, max_q, h = meta.batch_size, meta.max_q, self.num_heads
-        latent_kv, k_rope = keys.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+    def _attend_sequence(self, q: torch.Tensor, latent: torch.Tensor, kv_b: torch.Tensor,
+                         meta: AttentionMetadata, b: int, absorbed: bool) -> torch.Tensor:
+        """Sequence b's new tokens against its latents: causal attention on the latents
+        themselves (absorbed; output [T, h, kv_lora + rope]), or on the keys and values they
+        expand to (output [T, h, v])."""
+        rows = slice(meta.q_starts[b], meta.q_starts[b] + meta.q_lens[b])
+        q = q[rows]
+        if meta.decode:  # only when attention is forced to the expanded form
+            blocks = meta.block_tables[b]
+            mask = prefix_causal_mask(1, meta.kv_lens[b] - 1, q.device)
+        else:
+            blocks, mask = meta.key_blocks[b], meta.masks[b]
+        if blocks is None:  # a fresh prompt: its latents are the new ones
+            keys = latent[rows][:, None]
+        else:
+            keys = gather_blocks(self.cache, blocks[None])[0, :meta.kv_lens[b]]  # [K, 1, .]
+        if absorbed:  # all heads read one shared latent "head"; whole rows as values (above)
+            return causal_attention(q, keys, keys, mask, self.scale)
+        latent_kv, k_rope = keys[:, 0].split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = F.linear(latent_kv, kv_b.view(-1, self.kv_lora_rank))
-        kv = kv.view(b, -1, h, self.nope_dim + self.v_dim).transpose(1, 2)  # [B, h, keys, .]
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope[:, None].expand(-1, h, -1, -1)], dim=-1)
-        q = torch.cat([q_nope, q_rope], dim=-1).view(b, max_q, h, -1).transpose(1, 2)
+        kv = kv.view(-1, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [keys, h, .]
+        k = torch.cat([k_nope, k_rope[:, None].expand(-1, self.num_heads, -1)], dim=-1)
         # SDPA's fused kernels want one head size for q, k and v; zero-padding v to it is
         # 1.5-2.5x faster on CPU than the generic path taken for v 128 against qk 192.
         v = F.pad(v, (0, max(0, k.shape[-1] - self.v_dim)))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask,
-                                             is_causal=meta.fresh_causal, scale=self.scale)
-        return out[..., :self.v_dim].transpose(1, 2)  # [B, max_q, h, v]
-
-    def _absorbed(self, q_nope, q_rope, keys, kv_b, meta) -> torch.Tensor:
-        b, max_q, h = meta.batch_size, meta.max_q, self.num_heads
-        w_k, w_v = kv_b.split([self.nope_dim, self.v_dim], dim=1)  # [h, nope|v, kv_lora]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_k).transpose(0, 1)  # [T, h, kv_lora]
-        # All heads read the same latent keys: fold heads into the query axis (one KV head).
-        q = torch.cat([q_latent, q_rope], dim=-1).reshape(b, 1, max_q * h, -1)
-        mask = meta.mask
-        if meta.fresh_causal and max_q > 1:
-            mask = torch.ones(max_q, max_q, dtype=torch.bool, device=q.device).tril()[None, None]
-        if mask is not None and max_q > 1:  # one mask row per (query, head)
-            mask = mask.repeat_interleave(h, dim=2)
-        keys = keys[:, None]
-        # The values are the latents' first kv_lora_rank columns. Passing the whole rows keeps
-        # one head size (SDPA's fused path, about 1.8x faster here); the extra output columns
-        # are dropped.
-        out = F.scaled_dot_product_attention(q, keys, keys, attn_mask=mask, scale=self.scale)
-        out = out[..., :self.kv_lora_rank].reshape(b * max_q, h, -1).transpose(0, 1)
-        return torch.bmm(out, w_v.transpose(1, 2)).transpose(0, 1)  # [T, h, v]
+        return causal_attention(q, k, v, mask, self.scale)[..., :self.v_dim]

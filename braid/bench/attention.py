@@ -1,0 +1,154 @@
+"""`braid bench-attention`: the attention paths at the shapes the engine runs, side by side.
+
+Paths:
+- `engine`: what braid runs for the shape (`braid.layers.attention_ops`);
+- `sdpa-padded`: braid's previous path, every sequence's queries padded to the group's longest
+  against all gathered keys under a dense `[B, 1, max_q, keys]` mask (`enable_gqa`);
+- `grouped-matmul` (decode) and `blocked-matmul` (prefill): GEMMs in the model's dtype and an fp32
+  softmax, queries grouped by KV head, prefill query blocks attending only up to their diagonal.
+  They are the candidates the engine's choice was measured against.
+Inputs are random, shaped as rank 0's heads of the model at `--tp`; each time is the median of
+`--repeat` calls after warm-up, in this process, on every usable core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from braid.config import (
+    DTYPES,
+    default_model_path,
+    load_model_config,
+    resolve_dtype,
+    usable_cores,
+)
+from braid.layers.attention_ops import (
+    batched_causal_attention,
+    causal_attention,
+    decode_attention,
+    prefix_causal_mask,
+)
+from braid.layers.partition import partition_heads
+
+DECODE_SHAPES = [(1, 128), (1, 512), (8, 512), (32, 128), (32, 512), (64, 1024)]
+PREFILL_SHAPES = [(1, 128, 0), (1, 512, 0), (8, 512, 0), (1, 2048, 0), (1, 512, 1536),
+                  (4, 256, 256)]
+
+
+def grouped_matmul_decode(q, keys, values, key_mask, scale):
+    """q: [B, Hq, D]; keys, values: [B, L, Hk, D]; key_mask: [B, 1, 1, L] -> [B, Hq, D]."""
+    batch, _, hk, dim = keys.shape
+    queries = q.view(batch, hk, -1, dim)  # [B, Hk, g, D]
+    scores = torch.matmul(queries, keys.permute(0, 2, 3, 1)).float() * scale  # [B, Hk, g, L]
+    scores.masked_fill_(~key_mask, float("-inf"))
+    out = torch.matmul(scores.softmax(-1).to(values.dtype), values.transpose(1, 2))
+    return out.reshape(batch, q.shape[1], -1)
+
+
+def blocked_matmul_causal(q, keys, values, prefix, scale, block=256):
+    """One sequence: q: [T, Hq, D]; keys, values: [prefix + T, Hk, D]; query blocks attend only
+    to keys up to their diagonal -> [T, Hq, D]."""
+    tokens, hq, dim = q.shape
+    hk = keys.shape[1]
+    keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [Hk, K, D]
+    group = hq // hk
+    queries = q.view(tokens, hk, group, dim).transpose(0, 1).reshape(hk, tokens * group, dim)
+    out = torch.empty(hk, tokens * group, values.shape[-1], dtype=values.dtype)
+    for start in range(0, tokens, block):
+        end = min(start + block, tokens)
+        rows = slice(start * group, end * group)
+        scores = torch.bmm(queries[:, rows], keys[:, :prefix + end].transpose(1, 2)).float()
+        token = torch.arange(start * group, end * group) // group
+        above = torch.arange(prefix + end)[None, :] > prefix + token[:, None]
+        scores.mul_(scale).masked_fill_(above, float("-inf"))
+        out[:, rows] = torch.bmm(scores.softmax(-1).to(values.dtype), values[:, :prefix + end])
+    return out.view(hk, tokens, group, -1).transpose(0, 1).reshape(tokens, hq, -1)
+
+
+def _median_ms(fn: Callable[[], object], repeat: int) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * float(np.median(times))
+
+
+def decode_paths(batch: int, context: int, hq: int, hk: int, dim: int, dtype: torch.dtype):
+    """{path: callable}: one new token per sequence against up to `context` cached keys."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(context // 2, context + 1, (batch,), generator=gen)
+    lengths[0] = context
+    q = torch.randn(batch, hq, dim, generator=gen).to(dtype)
+    keys = torch.randn(batch, context, hk, dim, generator=gen).to(dtype)  # as gathered
+    values = torch.randn(batch, context, hk, dim, generator=gen).to(dtype)
+    key_mask = (torch.arange(context)[None, :] < lengths[:, None])[:, None, None]
+    scale = dim ** -0.5
+    return {
+        "sdpa-padded": lambda: F.scaled_dot_product_attention(
+            q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=key_mask, enable_gqa=hq != hk),
+        "engine": lambda: decode_attention(q, keys, values, key_mask, scale),
+        "grouped-matmul": lambda: grouped_matmul_decode(q, keys, values, key_mask, scale),
+    }
+
+
+def prefill_paths(batch: int, tokens: int, prefix: int, hq: int, hk: int, dim: int,
+                  dtype: torch.dtype):
+    """{path: callable}: `batch` sequences of `tokens` new tokens after `prefix` cached ones."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, tokens, hq, dim, generator=gen).to(dtype)
+    keys = torch.randn(batch, prefix + tokens, hk, dim, generator=gen).to(dtype)
+    values = torch.randn(batch, prefix + tokens, hk, dim, generator=gen).to(dtype)
+    scale = dim ** -0.5
+    if prefix == 0:
+        padded = lambda: F.scaled_dot_product_attention(  # noqa: E731
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), is_causal=True,
+            enable_gqa=hq != hk)
+        engine = lambda: batched_causal_attention(q, keys, values, scale)  # noqa: E731
+    else:
+        mask = prefix_causal_mask(tokens, prefix, q.device)
+        padded = lambda: F.scaled_dot_product_attention(  # noqa: E731
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask[None, None], enable_gqa=hq != hk)
+        engine = lambda: [causal_attention(q[b], keys[b], values[b], mask, scale)  # noqa: E731
+                          for b in range(batch)]
+    return {"sdpa-padded": padded, "engine": engine,
+            "blocked-matmul": lambda: [blocked_matmul_causal(q[b], keys[b], values[b], prefix,
+                                                             scale) for b in range(batch)]}
+
+
+def run_bench_attention(args: argparse.Namespace) -> None:
+    torch.set_num_threads(len(usable_cores()))
+    config = load_model_config(args.model or default_model_path())
+    dtype = DTYPES[resolve_dtype(args.dtype)]
+    shard = partition_heads(config.num_heads, config.num_kv_heads, args.tp)[0]
+    heads, kv_heads, dim = shard.q_count, shard.kv_count, config.head_dim
+    print(f"attention of rank 0 at tp {args.tp}: {heads} query heads, {kv_heads} KV heads, "
+          f"head dim {dim}, {dtype}, {torch.get_num_threads()} threads")
+    cases = [(f"decode bs {b}, context {c}", decode_paths(b, c, heads, kv_heads, dim, dtype))
+             for b, c in DECODE_SHAPES]
+    cases += [(f"prefill {b} x {t}" + (f" after {p}" if p else ""),
+               prefill_paths(b, t, p, heads, kv_heads, dim, dtype)) for b, t, p in PREFILL_SHAPES]
+    print(f"{'shape':<30} {'path':<15} {'ms':>9} {'vs sdpa-padded':>15}")
+    with torch.inference_mode():
+        for shape, paths in cases:
+            times = {name: _median_ms(fn, args.repeat) for name, fn in paths.items()}
+            for name, ms in times.items():
+                ratio = times["sdpa-padded"] / ms
+                print(f"{shape:<30} {name:<15} {ms:9.3f} {ratio:14.2f}x", flush=True)
+                if args.result_file:
+                    with open(args.result_file, "a") as f:
+                        f.write(json.dumps({"shape": shape, "path": name, "ms": ms,
+                                            "speedup_vs_sdpa_padded": ratio,
+                                            "dtype": str(dtype).removeprefix("torch."),
+                                            "tp": args.tp}) + "\n")
