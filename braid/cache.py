@@ -67,10 +67,14 @@ def entry_key(source: str | Path, kind: str, variant: str = "") -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
 
 
+def _entry_prefix(kind: str, variant: str) -> str:
+    """The start of the folder names of `kind` entries (the key follows)."""
+    return f"{kind}-{variant}-" if variant else f"{kind}-"
+
+
 def entry_dir(source: str | Path, kind: str, variant: str = "") -> Path:
     """Where `source`'s `kind` entry lives (whether or not it exists)."""
-    name = f"{kind}-{variant}-" if variant else f"{kind}-"
-    return cache_root() / (name + entry_key(source, kind, variant))
+    return cache_root() / (_entry_prefix(kind, variant) + entry_key(source, kind, variant))
 
 
 def check_entry(folder: Path) -> None:
@@ -96,10 +100,9 @@ def find_entry(source: str | Path, kind: str, variant: str = "") -> Path | None:
     return folder
 
 
-def _remove_stale(folder: Path, source: str | Path) -> None:
-    """Delete entries of the same kind built from an earlier version of `source` (a process
+def _remove_stale(folder: Path, prefix: str, source: Path) -> None:
+    """Delete the entries named `prefix*` built from an earlier version of `source` (a process
     still reading one keeps its open files: removal only unlinks them)."""
-    prefix = folder.name[:-len(folder.name.split("-")[-1])]
     for other in folder.parent.glob(prefix + "*"):
         try:
             stale = json.loads((other / MANIFEST).read_text())["source"] == str(source)
@@ -109,7 +112,8 @@ def _remove_stale(folder: Path, source: str | Path) -> None:
             shutil.rmtree(other, ignore_errors=True)
 
 
-def _build(folder: Path, source: str | Path, build: Callable[[Path], None]) -> None:
+def _build(folder: Path, prefix: str, source: str | Path,
+           build: Callable[[Path], None]) -> None:
     """Run `build` into a temporary sibling of `folder`, write its manifest, rename it."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
@@ -127,7 +131,7 @@ def _build(folder: Path, source: str | Path, build: Callable[[Path], None]) -> N
             # Another launch built the same entry first: keep theirs.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _remove_stale(folder, Path(source).resolve())
+    _remove_stale(folder, prefix, Path(source).resolve())
 
 
 def cached(source: str | Path, kind: str, build: Callable[[Path], None],
@@ -147,7 +151,7 @@ def cached(source: str | Path, kind: str, build: Callable[[Path], None],
                           CacheWarning, stacklevel=2)
             shutil.rmtree(folder, ignore_errors=True)
     try:
-        _build(folder, source, build)
+        _build(folder, _entry_prefix(kind, variant), source, build)
     except OSError as e:
         warnings.warn(f"cannot write the cache under {cache_root()} ({e}); "
                       f"reading {source} directly", CacheWarning, stacklevel=2)

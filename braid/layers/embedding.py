@@ -8,7 +8,7 @@ from torch import nn
 
 from braid.distributed.comm import Communicator
 from braid.layers.partition import split_range, split_sizes
-from braid.layers.quant import INT8_MAX_ROWS, Quantizable, linear
+from braid.layers.quant import Quantizable, int8_applies, linear
 from braid.loader.weights import LazyWeight
 
 
@@ -64,7 +64,7 @@ class ParallelLMHead(nn.Module, Quantizable):
         return self.weight if self.weight is not None else self.tied_embedding[0].weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.int8 is not None and hidden.shape[0] <= INT8_MAX_ROWS:
+        if int8_applies(hidden, self.int8):
             local = linear(hidden, self.quantizable_weight(), int8=self.int8).t()
         else:
             # weight @ hidden^T, i.e. [vocab, tokens]: for the few rows of a decode step MKL

@@ -50,24 +50,28 @@ class Quantizable:
         return self.weight
 
 
+def int8_applies(x: torch.Tensor, int8: Int8Weight | None) -> bool:
+    """Whether a GEMM of `x` reads the int8 weights (there are some, and `x` has few rows)."""
+    return int8 is not None and x.dim() == 2 and x.shape[0] <= INT8_MAX_ROWS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            int8: Int8Weight | None = None) -> torch.Tensor:
-    """`F.linear`, through the int8 weights when there are some and `x` has few rows."""
-    if int8 is not None and x.dim() == 2 and x.shape[0] <= INT8_MAX_ROWS:
+    """`F.linear`, through the int8 weights where `int8_applies`."""
+    if int8_applies(x, int8):
         out = torch.ops.aten._weight_int8pack_mm(x, int8.values, int8.scales)
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)
 
 
-def quantize_linear_layers(model: nn.Module) -> int:
-    """Give every `Quantizable` layer (the linear layers, the LM head) its int8 copy; returns
-    how many. fp32 models are left dense (see the module docstring)."""
+def quantize_linear_layers(model: nn.Module) -> None:
+    """Give every `Quantizable` layer (the linear layers, the LM head) its int8 copy. fp32
+    models are left dense (see the module docstring)."""
     layers = [m for m in model.modules() if isinstance(m, Quantizable)]
     dtype = layers[0].quantizable_weight().dtype if layers else None
     if dtype == torch.float32:
         warnings.warn("--quantization int8 runs dense: the int8 kernel is fast with bf16 or fp16 "
                       "activations only; use --dtype bf16", stacklevel=2)
-        return 0
+        return
     for layer in layers:
         layer.int8 = Int8Weight.quantize(layer.quantizable_weight())
-    return len(layers)
