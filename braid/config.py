@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 from dataclasses import asdict, dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
@@ -46,6 +47,16 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+SHM_NEEDS_TSO = ("--comm shm relies on x86 total store order, which this CPU does not give; "
+                 "use --comm torch")
+
+
+def host_has_total_store_order() -> bool:
+    """Whether stores become visible to other cores in program order (x86's TSO), which the shm
+    backend's fence-free publishing relies on."""
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
     """`auto` becomes bf16 where the hardware computes it natively (CUDA, AVX512-BF16, AMX),
     fp32 elsewhere; other names pass through."""
@@ -58,8 +69,10 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
 
 def resolve_comm(device: str = "cpu") -> str:
     """`--comm auto`: shared memory for CPU ranks that braid starts on this host (much faster
-    than gloo there), torch.distributed otherwise (GPUs, or torchrun, possibly multi-host)."""
-    if device == "cpu" and "TORCHELASTIC_RUN_ID" not in os.environ:
+    than gloo there) where the CPU orders stores as x86 does; torch.distributed otherwise
+    (GPUs, torchrun (possibly multi-host), other architectures)."""
+    if (device == "cpu" and "TORCHELASTIC_RUN_ID" not in os.environ
+            and host_has_total_store_order()):
         return "shm"
     return "torch"
 
@@ -228,6 +241,8 @@ class EngineConfig:
         if self.comm == "shm" and (self.device != "cpu" or "TORCHELASTIC_RUN_ID" in os.environ):
             raise UserError("--comm shm serves CPU ranks started by braid on one host; "
                             "use --comm torch on GPUs or under torchrun")
+        if self.comm == "shm" and not host_has_total_store_order():
+            raise UserError(SHM_NEEDS_TSO)
         for flag, value in (("--overlap", self.overlap), ("--dp-linear", self.dp_linear)):
             if value not in SWITCH_CHOICES:
                 raise UserError(f"{flag} must be one of {', '.join(SWITCH_CHOICES)}, "

@@ -17,18 +17,38 @@ from braid.overlap.trace import tracer
 
 
 class Handle:
-    """A collective in flight; `wait()` blocks until it completes and returns its result."""
+    """A collective in flight; `wait()` blocks until it completes and returns its result, or
+    `wait_add(residual)` returns the result plus `residual`. A handle is finished once.
 
-    def __init__(self, finish: Callable[[], torch.Tensor], name: str = "collective") -> None:
+    `finish_add`, where a backend gives one, produces the sum with the residual straight from
+    its buffers (one pass fewer than summing and then adding).
+    """
+
+    def __init__(self, finish: Callable[[], torch.Tensor], name: str = "collective",
+                 finish_add: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self._finish = finish
+        self._finish_add = finish_add
         self._result: torch.Tensor | None = None
+        self._added = False
         self.name = name
 
     def wait(self) -> torch.Tensor:
+        if self._added:
+            raise RuntimeError(f"{self.name}: already finished by wait_add")
         if self._result is None:
             with tracer().span(f"wait {self.name}", "comm"):
                 self._result = self._finish()
         return self._result
+
+    def wait_add(self, residual: torch.Tensor | None) -> torch.Tensor:
+        """The result plus `residual` (the result alone when it is None)."""
+        if residual is None or self._finish_add is None or self._result is not None:
+            return self.wait() if residual is None else self.wait() + residual
+        if self._added:
+            raise RuntimeError(f"{self.name}: already finished by wait_add")
+        self._added = True
+        with tracer().span(f"wait {self.name}", "comm"):
+            return self._finish_add(residual)
 
 
 class Communicator(ABC):
@@ -50,12 +70,34 @@ class Communicator(ABC):
     def _start_all_gather(self, x: torch.Tensor, sizes: list[int]) -> Handle:
         """Start concatenating every rank's `x` along dim 0 (rank r contributes sizes[r] rows)."""
 
+    def _start_all_reduce_into(self, shape: tuple[int, ...], dtype: torch.dtype,
+                               produce: Callable[[torch.Tensor | None], torch.Tensor]) -> Handle:
+        """`all_reduce_into_async` for backends without a send buffer: produce, then reduce."""
+        return self._start_all_reduce(produce(None))
+
     def all_reduce_async(self, x: torch.Tensor) -> Handle:
         """Start a sum over ranks; `wait()` on the handle returns it."""
         if self.world_size == 1:
             return Handle(lambda: x)
         tracer().instant("launch all_reduce", "comm")
         handle = self._start_all_reduce(x)
+        handle.name = "all_reduce"
+        return handle
+
+    def all_reduce_into_async(self, shape: Sequence[int], dtype: torch.dtype,
+                              produce: Callable[[torch.Tensor | None], torch.Tensor]) -> Handle:
+        """Start a sum over ranks of the `shape`/`dtype` tensor `produce(out)` returns.
+
+        `out` is the backend's send buffer (or None): a producer that writes its result into
+        it (a GEMM's `out=`) spares the copy into shared memory. It must return the tensor it
+        wrote, or a new one when it could not use `out`.
+        """
+        shape = tuple(shape)
+        if self.world_size == 1:
+            result = produce(None)
+            return Handle(lambda: result)
+        tracer().instant("launch all_reduce", "comm")
+        handle = self._start_all_reduce_into(shape, dtype, produce)
         handle.name = "all_reduce"
         return handle
 
@@ -190,6 +232,10 @@ class SwitchableCommunicator(Communicator):
 
     def _start_all_gather(self, x: torch.Tensor, sizes: list[int]) -> Handle:
         return self._backend()._start_all_gather(x, sizes)
+
+    def _start_all_reduce_into(self, shape: tuple[int, ...], dtype: torch.dtype,
+                               produce: Callable[[torch.Tensor | None], torch.Tensor]) -> Handle:
+        return self._backend()._start_all_reduce_into(shape, dtype, produce)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.skip else self.real.all_reduce(x)

@@ -20,22 +20,29 @@ wait is usually free. Tensors larger than a slot go in chunks, one operation eac
 in rank order on every rank (bitwise-identical results everywhere), in fp32 for 16-bit inputs.
 
 Ordering relies on the host's total store order (x86): the data copy completes before the header
-store that publishes it, and readers load the header before the data.
+store that publishes it, and readers load the header before the data. Python has no portable
+memory fences, so the backend refuses other architectures (`--comm auto` picks torch there).
+
+The segment's memory is reserved when it is created (a sparse file in a small /dev/shm would
+kill a rank with SIGBUS at first touch), and the file is unlinked as soon as every rank has
+mapped it, so no crash of any process can leave it behind.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from braid.config import SHM_NEEDS_TSO, UserError, host_has_total_store_order
 from braid.distributed.comm import Communicator, Handle
 from braid.overlap.trace import tracer
 
@@ -43,6 +50,7 @@ SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "braid-"
 _HEADER_WORDS = 8  # int64 words per (rank, slot): one 64-byte cache line, no false sharing
 _PUBLISHED, _CONSUMED = 0, 1
+_MAPPED = 0  # control word (one cache line per rank, after the slot headers): 1 once mapped
 _SPINS_BEFORE_YIELD = 2000
 
 
@@ -61,7 +69,8 @@ class ShmSegment:
 
     @property
     def header_bytes(self) -> int:
-        return self.world_size * self.num_slots * _HEADER_WORDS * 8
+        """Slot headers, then one control line per rank."""
+        return self.world_size * (self.num_slots + 1) * _HEADER_WORDS * 8
 
     @property
     def total_bytes(self) -> int:
@@ -69,17 +78,41 @@ class ShmSegment:
 
     @staticmethod
     def create(world_size: int, num_slots: int = 8, slot_bytes: int = 4 << 20) -> ShmSegment:
-        """Create a zeroed segment with a name unique to this launch."""
+        """Create a zeroed segment with a name unique to this launch, its memory reserved.
+
+        Raises `UserError` when the architecture's memory order is not x86's or /dev/shm has
+        not the room (the message says how much and what to do).
+        """
+        if not host_has_total_store_order():
+            raise UserError(SHM_NEEDS_TSO)
         if not os.path.isdir(SHM_DIR):
-            raise RuntimeError(f"the shm backend needs {SHM_DIR}; use --comm torch")
+            raise UserError(f"--comm shm needs {SHM_DIR}, which this host lacks; use --comm torch")
         path = os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
         segment = ShmSegment(path, world_size, num_slots, slot_bytes)
+        segment._check_room()
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, segment.total_bytes)
+            os.posix_fallocate(fd, 0, segment.total_bytes)
+        except OSError as e:
+            segment.unlink()
+            if e.errno in (errno.ENOSPC, errno.EFBIG):
+                raise UserError(segment._no_room(f"reserving it failed: {e.strerror}")) from None
+            raise
         finally:
             os.close(fd)
         return segment
+
+    def _check_room(self) -> None:
+        stat = os.statvfs(SHM_DIR)
+        free = stat.f_bavail * stat.f_frsize
+        if free < self.total_bytes:
+            raise UserError(self._no_room(f"{free / 2**20:.0f} MiB are free"))
+
+    def _no_room(self, why: str) -> str:
+        return (f"--comm shm needs {self.total_bytes / 2**20:.0f} MiB in {SHM_DIR} for "
+                f"{self.world_size} ranks, and {why}; use --comm torch, or give {SHM_DIR} more "
+                "room (docker run --shm-size=1g), or lower --max-num-batched-tokens "
+                "(slots hold a step's activations)")
 
     def unlink(self) -> str:
         """Remove the file (idempotent); a line saying whether shared memory was cleaned."""
@@ -94,8 +127,8 @@ class ShmSegment:
 
 def activation_slot_bytes(max_tokens: int, hidden_size: int, itemsize: int) -> int:
     """A slot size that holds a whole step's activations (so an overlapped all-reduce is one
-    posted operation, not chunks posted later), within [4 MiB, 64 MiB]. The file is sparse:
-    memory is committed only as slots are used."""
+    posted operation, not chunks posted later), within [4 MiB, 64 MiB]. The memory is reserved
+    when the segment is created."""
     return int(min(64 << 20, max(4 << 20, max_tokens * hidden_size * itemsize)))
 
 
@@ -127,9 +160,22 @@ class ShmCommunicator(Communicator):
         self._held: set[int] = set()  # their slots
         self._last_op = [0] * slots  # the latest operation each slot carried
         self._last_slot = slots - 1
+        self._unlink_once_mapped()
 
     def _word(self, rank: int, slot: int, field: int) -> int:
         return (rank * self.segment.num_slots + slot) * _HEADER_WORDS + field
+
+    def _control_word(self, rank: int, field: int) -> int:
+        return (self.world_size * self.segment.num_slots + rank) * _HEADER_WORDS + field
+
+    def _unlink_once_mapped(self) -> None:
+        """Say this rank has mapped the segment; rank 0 waits for all, then removes the file
+        (the mappings keep the memory), so no later crash can leak it."""
+        self._header[self._control_word(self.rank, _MAPPED)] = 1
+        if self.rank == 0:
+            words = [self._control_word(r, _MAPPED) for r in range(self.world_size)]
+            self._spin(words, 1, "map the shared memory segment")
+            self.segment.unlink()
 
     def _views(self, dtype: torch.dtype, shape: tuple[int, ...]) -> list[list[torch.Tensor]]:
         """[rank][slot] views of the start of each slot as a `dtype` tensor of `shape`.
@@ -150,8 +196,8 @@ class ShmCommunicator(Communicator):
 
     # --- one slot-sized operation -------------------------------------------------------------
 
-    def _post(self, chunk: torch.Tensor) -> int:
-        """Copy a chunk (at most a slot) into this rank's next slot and publish it."""
+    def _reserve(self) -> tuple[int, int]:
+        """The next operation number and this rank's slot for it, free on every rank."""
         op = self._next_op
         self._next_op += 1
         # Round robin over the slots, skipping held ones: a rank ahead of its peers can post
@@ -164,21 +210,29 @@ class ShmCommunicator(Communicator):
         else:
             raise RuntimeError(f"more than {self.segment.num_slots} shm collectives in flight")
         # The slot's previous use must be released everywhere.
-        self._spin(slot, _CONSUMED, self._last_op[slot])
+        self._spin(self._spin_words[_CONSUMED][slot], self._last_op[slot], f"release #{op}")
         self._slot_of[op] = slot
         self._held.add(slot)
         self._last_op[slot] = op
         self._last_slot = slot
+        return op, slot
+
+    def _publish(self, op: int) -> None:
+        self._header[self._word(self.rank, self._slot_of[op], _PUBLISHED)] = op
+
+    def _post(self, chunk: torch.Tensor) -> int:
+        """Copy a chunk (at most a slot) into this rank's next slot and publish it."""
+        op, slot = self._reserve()
         if chunk.numel():
             self._views(chunk.dtype, tuple(chunk.shape))[self.rank][slot].copy_(chunk)
-        self._header[self._word(self.rank, slot, _PUBLISHED)] = op
+        self._publish(op)
         return op
 
     def _arrived(self, op: int, dtype: torch.dtype,
                  shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
         """Wait for every rank's chunk of `op`; views of them (valid until `_release`)."""
         slot = self._slot_of[op]
-        self._spin(slot, _PUBLISHED, op)
+        self._spin(self._spin_words[_PUBLISHED][slot], op, f"publish #{op}")
         return [self._views(dtype, shape)[r][slot] for r, shape in enumerate(shapes)]
 
     def _release(self, op: int) -> None:
@@ -186,10 +240,10 @@ class ShmCommunicator(Communicator):
         self._held.discard(slot)
         self._header[self._word(self.rank, slot, _CONSUMED)] = op
 
-    def _spin(self, slot: int, field: int, value: int) -> None:
-        """Until every rank's header field for `slot` reaches `value`; spin, then yield."""
+    def _spin(self, words: list[int], value: int, what: str) -> None:
+        """Until every rank's header `words` reach `value`; spin, then yield. On timeout the
+        error names the ranks that did not `what`."""
         header = self._header
-        words = self._spin_words[field][slot]
         spins = 0
         deadline = None
         while True:
@@ -205,11 +259,9 @@ class ShmCommunicator(Communicator):
                 deadline = time.monotonic() + self.timeout_s
             elif time.monotonic() > deadline:
                 missing = [r for r, w in enumerate(words) if header[w] < value]
-                what = "publish" if field == _PUBLISHED else "release"
                 raise ShmTimeout(
-                    f"shm collective #{value} on rank {self.rank}: rank(s) "
-                    f"{', '.join(map(str, missing))} did not {what} it "
-                    f"within {self.timeout_s:.0f} s")
+                    f"shm on rank {self.rank}: rank(s) {', '.join(map(str, missing))} did not "
+                    f"{what} within {self.timeout_s:.0f} s")
             os.sched_yield() if spins < 4 * _SPINS_BEFORE_YIELD else time.sleep(50e-6)
 
     # --- collectives ---------------------------------------------------------------------------
@@ -218,21 +270,41 @@ class ShmCommunicator(Communicator):
         return self.segment.slot_bytes // dtype.itemsize
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() * x.element_size() > self.segment.slot_bytes or tracer().enabled:
-            return super().all_reduce(x)
-        # One slot, synchronous: the shortest path, for the many small reduces of decode.
-        return self._sum_slot(self._post(x), x)
+        if self._fits(x.shape, x.dtype) and not tracer().enabled:
+            # One slot, synchronous: the shortest path, for the many small reduces of decode.
+            return self._sum_slot(self._post(x), x.shape, x.dtype)
+        return super().all_reduce(x)
 
-    def _sum_slot(self, op: int, x: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks of one posted slot-sized operation `op` shaped like `x`."""
-        out = _sum(self._arrived(op, x.dtype, [tuple(x.shape)] * self.world_size))
+    def _fits(self, shape: Sequence[int], dtype: torch.dtype) -> bool:
+        return math.prod(shape) * dtype.itemsize <= self.segment.slot_bytes
+
+    def _sum_slot(self, op: int, shape: Sequence[int], dtype: torch.dtype,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum over ranks of one posted slot-sized operation `op` (plus `residual`)."""
+        out = _sum(self._arrived(op, dtype, [tuple(shape)] * self.world_size), residual)
         self._release(op)
         return out
 
+    def _slot_handle(self, op: int, shape: Sequence[int], dtype: torch.dtype) -> Handle:
+        return Handle(lambda: self._sum_slot(op, shape, dtype),
+                      finish_add=lambda residual: self._sum_slot(op, shape, dtype, residual))
+
+    def _start_all_reduce_into(self, shape: tuple[int, ...], dtype: torch.dtype,
+                               produce: Callable[[torch.Tensor | None], torch.Tensor]) -> Handle:
+        if not self._fits(shape, dtype):
+            return self._start_all_reduce(produce(None))
+        # Zero copy: the producer writes its partial straight into this rank's slot.
+        op, slot = self._reserve()
+        buffer = self._views(dtype, shape)[self.rank][slot]
+        partial = produce(buffer)
+        if partial.data_ptr() != buffer.data_ptr():  # a producer that could not write in place
+            buffer.copy_(partial)
+        self._publish(op)
+        return self._slot_handle(op, shape, dtype)
+
     def _start_all_reduce(self, x: torch.Tensor) -> Handle:
-        if x.numel() * x.element_size() <= self.segment.slot_bytes:
-            op = self._post(x)
-            return Handle(lambda: self._sum_slot(op, x))
+        if self._fits(x.shape, x.dtype):
+            return self._slot_handle(self._post(x), x.shape, x.dtype)
         flat = x.contiguous().view(-1)
         step = self._chunk_elems(x.dtype)
         out = torch.empty_like(flat)
@@ -290,17 +362,21 @@ class ShmCommunicator(Communicator):
             pass
 
 
-def _sum(parts: list[torch.Tensor]) -> torch.Tensor:
-    """parts[0] + parts[1] + ... in rank order, as a new tensor; 16-bit inputs accumulate in
-    fp32."""
-    if parts[0].dtype in (torch.float16, torch.bfloat16):
+def _sum(parts: list[torch.Tensor], residual: torch.Tensor | None = None) -> torch.Tensor:
+    """parts[0] + parts[1] + ... in rank order (then + residual), as a new tensor.
+
+    Two 16-bit parts add in one pass (the kernel adds in fp32 and rounds once, as an fp32 sum
+    would); more accumulate in fp32. Every rank runs the same order, so all get the same bits.
+    """
+    if len(parts) == 1:
+        out = parts[0].clone()
+    elif len(parts) > 2 and parts[0].dtype in (torch.float16, torch.bfloat16):
         acc = parts[0].float()
         for part in parts[1:]:
             acc.add_(part)
-        return acc.to(parts[0].dtype)
-    if len(parts) == 1:
-        return parts[0].clone()
-    out = torch.add(parts[0], parts[1])
-    for part in parts[2:]:
-        out.add_(part)
-    return out
+        out = acc.to(parts[0].dtype)
+    else:
+        out = torch.add(parts[0], parts[1])
+        for part in parts[2:]:
+            out.add_(part)
+    return out if residual is None else out.add_(residual)

@@ -154,7 +154,8 @@ class RowParallelLinear(nn.Module, Quantizable):
     """Input features split over ranks; partial outputs are summed over ranks.
 
     With `reduce=False` the caller owns the all-reduce (to launch it asynchronously, or to fuse
-    it with a later one). `in_range` is this rank's (start, size) of the input features.
+    it with a later one) and may pass `out`, the communicator's send buffer, for the partial
+    product. `in_range` is this rank's (start, size) of the input features.
     """
 
     def __init__(self, in_features: int, out_features: int, comm: Communicator, *,
@@ -174,7 +175,7 @@ class RowParallelLinear(nn.Module, Quantizable):
     def load_shard(self, param: nn.Parameter, weight: LazyWeight, shard_id: object = None) -> None:
         _copy_checked(param.data, weight.narrow(1, *self.in_range), "row shard")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         bias = self.bias if self.comm.rank == 0 else None
-        y = linear(x, self.weight, bias, self.int8)
+        y = linear(x, self.weight, bias, self.int8, out)
         return self.comm.all_reduce(y) if self.reduce else y

@@ -16,7 +16,8 @@ GATE_UP_STACKED = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj",
 
 
 class GatedMLP(nn.Module):
-    """`down(silu(gate(x)) * up(x))`; returns this rank's partial sum (the caller all-reduces)."""
+    """`down(silu(gate(x)) * up(x))`; returns this rank's partial sum (the caller all-reduces),
+    written into `out` where given."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, comm: Communicator,
                  dtype: torch.dtype) -> None:
@@ -28,6 +29,6 @@ class GatedMLP(nn.Module):
             in_range=split_range(intermediate_size, comm.world_size, comm.rank), reduce=False,
             dtype=dtype)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, out)

@@ -1,4 +1,4 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm (the residual add before it happens as the block's all-reduce arrives)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = ReplicatedLinear.load_full
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (norm(x + residual), x + residual); the sum is the next residual."""
-        if residual is not None:
-            x = x + residual
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype), x
+        return self.weight * h.to(x.dtype)

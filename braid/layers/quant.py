@@ -56,12 +56,17 @@ def int8_applies(x: torch.Tensor, int8: Int8Weight | None) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           int8: Int8Weight | None = None) -> torch.Tensor:
-    """`F.linear`, through the int8 weights where `int8_applies`."""
+           int8: Int8Weight | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, through the int8 weights where `int8_applies`; written into `out` where
+    given and the dense GEMM runs (the int8 kernel returns a new tensor)."""
     if int8_applies(x, int8):
-        out = torch.ops.aten._weight_int8pack_mm(x, int8.values, int8.scales)
-        return out if bias is None else out + bias
-    return F.linear(x, weight, bias)
+        y = torch.ops.aten._weight_int8pack_mm(x, int8.values, int8.scales)
+        return y if bias is None else y + bias
+    if out is None or x.dim() != 2:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
 
 
 def quantize_linear_layers(model: nn.Module) -> None:

@@ -37,8 +37,9 @@ class DecoderModel(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """A pre-norm block pair: `self_attn` and `mlp`, each behind an RMSNorm fused with the
-    residual add. Both return this rank's partial output; the layer all-reduces it.
+    """A pre-norm block pair: `self_attn` and `mlp`, each behind an RMSNorm of the residual
+    stream. Both return this rank's partial output; the layer all-reduces it and adds it to
+    the residual as it arrives.
     Subclasses provide `operations()` with their attention operations; the MLP's is shared."""
 
     def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype,
@@ -54,17 +55,26 @@ class DecoderLayer(nn.Module):
         raise NotImplementedError
 
     def attention_input(self, state: State) -> torch.Tensor:
-        """Wait for the previous block's sum, add the residual, normalise."""
-        hidden, residual = self.input_layernorm(state.take("partial").wait(),
-                                                state.take("residual"))
-        state.put("residual", residual)
-        return hidden
+        """Wait for the previous block's sum, add it to the residual, normalise."""
+        return self.input_layernorm(add_to_residual(state))
 
     def mlp_op(self, state: State, batch: ForwardBatch) -> None:
-        hidden, residual = self.post_attention_layernorm(state.take("partial").wait(),
-                                                         state.take("residual"))
-        state.put("residual", residual)
-        state.put("partial", self.comm.all_reduce_async(self.mlp(hidden)))
+        hidden = self.post_attention_layernorm(add_to_residual(state))
+        state.put("partial", self.reduce_async(hidden, lambda out: self.mlp(hidden, out)))
+
+    def reduce_async(self, hidden: torch.Tensor,
+                     block: Callable[[torch.Tensor | None], torch.Tensor]) -> Handle:
+        """Start the sum over ranks of a block's partial output, which `block(out)` writes
+        into the communicator's send buffer `out` (shaped like `hidden`)."""
+        return self.comm.all_reduce_into_async(hidden.shape, hidden.dtype, block)
+
+
+def add_to_residual(state: State) -> torch.Tensor:
+    """The new residual: the block sum in flight ("partial") plus the running residual (none
+    before the first block), summed straight from the communicator's buffers."""
+    residual = state.take("partial").wait_add(state.take("residual"))
+    state.put("residual", residual)
+    return residual
 
 
 class CausalLM(nn.Module):
@@ -107,7 +117,7 @@ class CausalLM(nn.Module):
         return [*ops, self.logits_op]
 
     def logits_op(self, state: State, batch: ForwardBatch) -> None:
-        hidden = self.model.norm(state.take("partial").wait(), state.take("residual"))[0]
+        hidden = self.model.norm(state.take("partial").wait_add(state.take("residual")))
         if batch.logits_index is not None:
             hidden = hidden[batch.logits_index]
         if hidden.shape[0] == 0:  # no logits wanted (a prompt chunk): every rank skips the head

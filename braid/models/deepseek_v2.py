@@ -120,22 +120,22 @@ class DeepseekV2Attention(nn.Module):
         out = self.fused_qkv_a_proj(hidden)
         return Handle(lambda: out)
 
-    def forward(self, hidden: torch.Tensor, projected: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        """This rank's partial output; the caller all-reduces it."""
+    def forward(self, hidden: torch.Tensor, projected: torch.Tensor, batch: ForwardBatch,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's partial output (into `out` where given); the caller all-reduces it."""
         mla = self.mla
         if mla.q_lora_rank:
             q_a, kv_a = projected.split([mla.q_lora_rank, mla.latent_dim], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_a)[0])
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
             kv_a, q = projected, self.q_proj(hidden)
         q_nope, q_rope = q.view(-1, self.num_heads, mla.qk_head_dim).split(
             [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         kv_latent, k_rope = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         q_rope, k_rope = self.rotary(batch.positions, q_rope, k_rope[:, None])
-        latent = torch.cat([self.kv_a_layernorm(kv_latent)[0], k_rope[:, 0]], dim=-1)
-        out = self.attn(q_nope, q_rope, latent, self.kv_b_proj.weight, batch)
-        return self.o_proj(out)
+        latent = torch.cat([self.kv_a_layernorm(kv_latent), k_rope[:, 0]], dim=-1)
+        attended = self.attn(q_nope, q_rope, latent, self.kv_b_proj.weight, batch)
+        return self.o_proj(attended, out)
 
 
 class DeepseekV2MoE(nn.Module):
@@ -152,12 +152,14 @@ class DeepseekV2MoE(nn.Module):
         self.shared_experts = (GatedMLP(config.hidden_size, inter * shared, comm, dtype)
                                if shared else None)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The partial sum of routed and shared experts (the sum written into `out` where
+        given)."""
         weights, ids = self.gate(hidden)
-        out = self.experts(hidden, weights, ids)
-        if self.shared_experts is not None:
-            out += self.shared_experts(hidden)
-        return out
+        routed = self.experts(hidden, weights, ids)
+        if self.shared_experts is None:
+            return routed
+        return torch.add(routed, self.shared_experts(hidden), out=out)
 
 
 class DeepseekV2DecoderLayer(DecoderLayer):
@@ -180,8 +182,9 @@ class DeepseekV2DecoderLayer(DecoderLayer):
         state.put("projected", self.self_attn.project_latent(hidden, batch))
 
     def attention_op(self, state: State, batch: ForwardBatch) -> None:
-        out = self.self_attn(state.take("hidden"), state.take("projected").wait(), batch)
-        state.put("partial", self.comm.all_reduce_async(out))
+        hidden, projected = state.take("hidden"), state.take("projected").wait()
+        state.put("partial", self.reduce_async(
+            hidden, lambda out: self.self_attn(hidden, projected, batch, out)))
 
 
 _EXPERT_WEIGHT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")

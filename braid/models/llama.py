@@ -35,16 +35,17 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(heads.q_count, heads.kv_count, d)
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """This rank's partial output; the caller all-reduces it."""
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's partial output (into `out` where given); the caller all-reduces it."""
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(batch.positions, q, k)
-        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), batch)
-        return self.o_proj(out)
+        attended = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), batch)
+        return self.o_proj(attended, out)
 
 
 class LlamaDecoderLayer(DecoderLayer):
@@ -61,7 +62,8 @@ class LlamaDecoderLayer(DecoderLayer):
 
     def attention_op(self, state: State, batch: ForwardBatch) -> None:
         hidden = self.attention_input(state)
-        state.put("partial", self.comm.all_reduce_async(self.self_attn(hidden, batch)))
+        state.put("partial", self.reduce_async(
+            hidden, lambda out: self.self_attn(hidden, batch, out)))
 
 
 class LlamaForCausalLM(CausalLM):
