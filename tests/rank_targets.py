@@ -54,6 +54,40 @@ def shm_against_gloo(rank, world_size, conn, segment):
     conn.recv()
 
 
+def shm_reduce_into_against_gloo(rank, world_size, conn, segment):
+    """`all_reduce_into_async` + `wait_add` (the zero-copy block sum) against gloo's sum plus
+    the residual, for producers that write into the slot, ones that return a new tensor, and
+    shapes larger than a slot; every rank's result must have the same bits. Answers the
+    mismatches."""
+    from braid.distributed.shm import ShmCommunicator
+
+    shm = ShmCommunicator(rank, segment)
+    slot_rows = segment.slot_bytes // (4 * 6)
+    mismatches = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 5, slot_rows, 3 * slot_rows):
+            for in_place in (True, False):
+                gen = torch.Generator().manual_seed(100 * rank + rows)
+                x = torch.randint(-8, 8, (rows, 6), generator=gen).to(dtype)
+                residual = torch.arange(rows * 6, dtype=dtype).view(rows, 6) % 5
+                expected = x.clone()
+                dist.all_reduce(expected)
+                expected += residual
+
+                def produce(out, x=x, in_place=in_place):
+                    return out.copy_(x) if out is not None and in_place else x.clone()
+
+                handle = shm.all_reduce_into_async((rows, 6), dtype, produce)
+                got = handle.wait_add(residual)
+                everyone = [torch.empty_like(got) for _ in range(world_size)]
+                dist.all_gather(everyone, got)
+                if not (torch.equal(got, expected) and all(torch.equal(got, o) for o in everyone)):
+                    mismatches.append((str(dtype), rows, in_place))
+    shm.close()
+    conn.send(("ok", mismatches))
+    conn.recv()
+
+
 def shm_outstanding(rank, world_size, conn, segment):
     """Four collectives in flight at once (posted, then waited in order)."""
     from braid.distributed.shm import ShmCommunicator

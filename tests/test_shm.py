@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
+import platform
+import re
 import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 import rank_targets
+import torch
 
+from braid.config import EngineConfig, UserError, resolve_comm
 from braid.distributed.launch import RankFailure, RankGroup
-from braid.distributed.shm import SEGMENT_PREFIX, SHM_DIR, ShmSegment
+from braid.distributed.shm import SEGMENT_PREFIX, ShmSegment, shm_dir
+
+BRAID = Path(sys.executable).with_name("braid")
 
 
 def segments() -> set[str]:
-    return set(glob.glob(os.path.join(SHM_DIR, SEGMENT_PREFIX + "*")))
+    return set(glob.glob(os.path.join(shm_dir(), SEGMENT_PREFIX + "*")))
 
 
 def launch(world_size, target, **segment_args):
@@ -27,6 +40,16 @@ def launch(world_size, target, **segment_args):
 def test_results_equal_torch_distributed(world_size):
     # 4 KiB slots: sizes up to five slots exercise chunking.
     group, _ = launch(world_size, rank_targets.shm_against_gloo, num_slots=4, slot_bytes=4096)
+    try:
+        assert group.gather(timeout=120) == [[]] * world_size
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_block_sums_written_into_the_slot_equal_torch_distributed(world_size):
+    group, _ = launch(world_size, rank_targets.shm_reduce_into_against_gloo, num_slots=4,
+                      slot_bytes=4096)
     try:
         assert group.gather(timeout=120) == [[]] * world_size
     finally:
@@ -62,13 +85,115 @@ def test_a_missing_rank_times_out_with_its_name():
     assert "rank(s) 1 did not publish" in message
 
 
-def test_no_segment_remains_after_a_normal_run():
+def test_the_segment_is_unlinked_once_every_rank_has_mapped_it():
     before = segments()
     group, segment = launch(2, rank_targets.shm_then_raise)
-    assert segment.path in segments()
-    group.gather(timeout=60)
-    group.close()
-    assert segments() == before - {segment.path}
+    try:
+        group.gather(timeout=60)  # both ranks mapped it and ran a collective
+        assert segment.path not in segments()
+        group.send_all(("go", None))
+    finally:
+        group.close()
+    assert segments() <= before
+
+
+def test_no_segment_remains_after_the_driver_is_killed():
+    """SIGKILL leaves the driver no chance to clean up: the file must be gone already."""
+    script = textwrap.dedent("""
+        import time
+        from braid import LLM, SamplingParams
+        if __name__ == "__main__":
+            llm = LLM(tp=2, comm="shm")
+            llm.generate("Hi", SamplingParams(max_new_tokens=2))
+            print(*[p.pid for p in llm.core.executor.ranks.procs], flush=True)
+            time.sleep(600)
+    """)
+    before = segments()
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in driver.stdout.readline().split()]
+        assert len(pids) == 2
+        assert segments() <= before  # unlinked while the ranks run
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 10
+        while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+                  for pid in pids):
+            assert time.monotonic() < deadline, "ranks outlived their killed driver"
+            time.sleep(0.1)
+    finally:
+        driver.kill()
+    assert segments() <= before
+
+
+def test_a_segment_larger_than_the_free_shared_memory_is_refused_clearly():
+    stat = os.statvfs(shm_dir())
+    free = stat.f_bavail * stat.f_frsize
+    before = segments()
+    with pytest.raises(UserError, match=r"needs \d+ MiB in .* use --comm torch"):
+        ShmSegment.create(2, num_slots=2, slot_bytes=free // 4 + (1 << 20))
+    assert segments() == before
+
+
+def test_a_failed_reservation_is_a_clear_error(monkeypatch):
+    """Free space can vanish between the check and the reservation (another launch)."""
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    before = segments()
+    with pytest.raises(UserError, match="reserving it failed: No space left on device"):
+        ShmSegment.create(2)
+    assert segments() == before
+
+
+def test_braid_on_a_small_tmpfs_says_what_to_do(tmp_path):
+    """A 4 MiB tmpfs (as a container's small /dev/shm): the command fails with one clear
+    line, no SIGBUS and no traceback."""
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    if os.geteuid() != 0 or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)],
+            capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        proc = subprocess.run(
+            [str(BRAID), "generate", "--tp", "2", "--comm", "shm", "--max-new-tokens", "1", "Hi"],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "BRAID_SHM_DIR": str(folder)})
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+    assert proc.returncode != 0
+    assert re.search(rf"error: --comm shm needs \d+ MiB in {folder} for 2 ranks, and 4 MiB are "
+                     "free", proc.stderr)
+    assert "use --comm torch" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_shm_is_refused_where_stores_are_not_totally_ordered(monkeypatch):
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert resolve_comm() == "torch"
+    assert EngineConfig(model="m.gguf", tp=2).comm == "torch"
+    with pytest.raises(UserError, match="x86 total store order.*--comm torch"):
+        EngineConfig(model="m.gguf", tp=2, comm="shm")
+    with pytest.raises(UserError, match="x86 total store order"):
+        ShmSegment.create(2)
+
+
+def test_long_prompt_logits_with_overlap_do_not_deadlock(model_path):
+    """The report's reproduction: 3,000 prompt positions' logits are gathered in about 25
+    slot-sized chunks through an 8-slot ring while the other micro-batch holds a slot."""
+    from braid import LLM
+
+    prompt = [list(range(1, 3001))]
+    with LLM(model_path, tp=1, dtype="fp32") as llm:
+        reference = llm.prompt_logits(prompt)[0]
+    with LLM(model_path, tp=2, dtype="fp32", comm="shm", overlap="on") as llm:
+        logits = llm.prompt_logits(prompt)[0]
+    assert logits.shape == reference.shape == (3000, 49152)
+    # fp32 sums in another order: near ties may swap, nothing else moves
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() > 0.999
+    assert (logits - reference).abs().max() < 1e-2
 
 
 def test_no_segment_remains_after_an_exception_in_a_rank():

@@ -46,7 +46,7 @@ from braid.config import SHM_NEEDS_TSO, UserError, host_has_total_store_order
 from braid.distributed.comm import Communicator, Handle
 from braid.overlap.trace import tracer
 
-SHM_DIR = "/dev/shm"
+SHM_DIR_ENV = "BRAID_SHM_DIR"  # where segments go when not /dev/shm (another tmpfs)
 SEGMENT_PREFIX = "braid-"
 _HEADER_WORDS = 8  # int64 words per (rank, slot): one 64-byte cache line, no false sharing
 _PUBLISHED, _CONSUMED = 0, 1
@@ -85,9 +85,10 @@ class ShmSegment:
         """
         if not host_has_total_store_order():
             raise UserError(SHM_NEEDS_TSO)
-        if not os.path.isdir(SHM_DIR):
-            raise UserError(f"--comm shm needs {SHM_DIR}, which this host lacks; use --comm torch")
-        path = os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+        folder = shm_dir()
+        if not os.path.isdir(folder):
+            raise UserError(f"--comm shm needs {folder}, which this host lacks; use --comm torch")
+        path = os.path.join(folder, f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
         segment = ShmSegment(path, world_size, num_slots, slot_bytes)
         segment._check_room()
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -103,16 +104,17 @@ class ShmSegment:
         return segment
 
     def _check_room(self) -> None:
-        stat = os.statvfs(SHM_DIR)
+        stat = os.statvfs(os.path.dirname(self.path))
         free = stat.f_bavail * stat.f_frsize
         if free < self.total_bytes:
             raise UserError(self._no_room(f"{free / 2**20:.0f} MiB are free"))
 
     def _no_room(self, why: str) -> str:
-        return (f"--comm shm needs {self.total_bytes / 2**20:.0f} MiB in {SHM_DIR} for "
-                f"{self.world_size} ranks, and {why}; use --comm torch, or give {SHM_DIR} more "
-                "room (docker run --shm-size=1g), or lower --max-num-batched-tokens "
-                "(slots hold a step's activations)")
+        folder = os.path.dirname(self.path)
+        return (f"--comm shm needs {self.total_bytes / 2**20:.0f} MiB in {folder} for "
+                f"{self.world_size} ranks, and {why}; use --comm torch, or give {folder} more "
+                f"room (docker run --shm-size=1g), or point {SHM_DIR_ENV} at a larger tmpfs, "
+                "or lower --max-num-batched-tokens (slots hold a step's activations)")
 
     def unlink(self) -> str:
         """Remove the file (idempotent); a line saying whether shared memory was cleaned."""
@@ -123,6 +125,11 @@ class ShmSegment:
         except OSError as e:
             return f"shared memory {self.path} could not be removed: {e}"
         return f"shared memory {self.path} removed"
+
+
+def shm_dir() -> str:
+    """The folder segments are created in: $BRAID_SHM_DIR, else /dev/shm."""
+    return os.environ.get(SHM_DIR_ENV) or "/dev/shm"
 
 
 def activation_slot_bytes(max_tokens: int, hidden_size: int, itemsize: int) -> int:
