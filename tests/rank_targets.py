@@ -49,6 +49,12 @@ def shm_against_gloo(rank, world_size, conn, segment):
             expected = TorchCommunicator(rank, world_size).all_gather(part, rows)
             if not torch.equal(shm.all_gather(part, rows), expected):
                 mismatches.append(("all_gather", str(dtype), numel))
+            rooted = shm.gather_to_first(part, rows)
+            if (rank == 0 and not torch.equal(rooted, expected)) or (rank and rooted is not None):
+                mismatches.append(("gather_to_first", str(dtype), numel))
+            rooted = TorchCommunicator(rank, world_size).gather_to_first(part, rows)
+            if (rank == 0 and not torch.equal(rooted, expected)) or (rank and rooted is not None):
+                mismatches.append(("torch gather_to_first", str(dtype), numel))
     shm.close()
     conn.send(("ok", mismatches))
     conn.recv()

@@ -17,11 +17,19 @@ def test_split_sizes_puts_remainders_first():
     assert [split_range(10, 3, r) for r in range(3)] == [(0, 4), (4, 3), (7, 3)]
 
 
-def test_smollm_heads_split_unevenly_at_tp2():
-    # 9 query heads in 3 KV groups of 3: rank 0 takes two groups, rank 1 one.
+def test_smollm_query_heads_split_evenly_at_tp2():
+    # 9 query heads in 3 KV groups of 3: 5/4, KV head 1 (query heads 3-5) held by both ranks.
     shards = partition_heads(9, 3, 2)
     assert [(s.q_start, s.q_count, s.kv_start, s.kv_count) for s in shards] == [
-        (0, 6, 0, 2), (6, 3, 2, 1)]
+        (0, 5, 0, 2), (5, 4, 1, 2)]
+    # Rank 0 reads KV 0 with 3 heads and KV 1 with 2; rank 1 KV 1 with 1 and KV 2 with 3.
+    assert shards[0].runs() == [(0, 3, 0, 1), (3, 2, 1, 1)]
+    assert shards[1].runs() == [(0, 1, 0, 1), (1, 3, 1, 1)]
+
+
+def test_whole_groups_are_one_run():
+    assert [s.runs() for s in partition_heads(32, 8, 2)] == [[(0, 16, 0, 4)]] * 2
+    assert partition_heads(9, 3, 4)[2].runs() == [(0, 2, 0, 2)]  # one head from each of two
 
 
 def test_heads_even_split_at_tp3():
@@ -32,9 +40,9 @@ def test_heads_even_split_at_tp3():
 
 def test_kv_heads_replicated_when_ranks_outnumber_them():
     shards = partition_heads(9, 3, 4)
-    # Ranks 0 and 1 share KV head 0 and split its 3 query heads; ranks 2 and 3 own one KV each.
+    # 3/2/2/2 query heads: KV head 1 is read by ranks 1 and 2, KV head 2 by ranks 2 and 3.
     assert [(s.q_start, s.q_count, s.kv_start, s.kv_count) for s in shards] == [
-        (0, 2, 0, 1), (2, 1, 0, 1), (3, 3, 1, 1), (6, 3, 2, 1)]
+        (0, 3, 0, 1), (3, 2, 1, 1), (5, 2, 1, 2), (7, 2, 2, 1)]
     shards = partition_heads(32, 8, 16)
     assert all(s.q_count == 2 and s.kv_count == 1 for s in shards)
     covered = sorted(q for s in shards for q in range(s.q_start, s.q_start + s.q_count))
@@ -43,15 +51,22 @@ def test_kv_heads_replicated_when_ranks_outnumber_them():
 
 def test_every_query_head_is_owned_exactly_once():
     for heads, kv in [(9, 3), (12, 4), (14, 2), (8, 8)]:
+        group = heads // kv
         for tp in range(1, heads + 1):
             shards = partition_heads(heads, kv, tp)
             owned = sorted(q for s in shards for q in range(s.q_start, s.q_start + s.q_count))
             assert owned == list(range(heads)), (heads, kv, tp)
-            for s in shards:  # a rank's query heads all read one of its KV heads
+            assert max(s.q_count for s in shards) - min(s.q_count for s in shards) <= 1
+            for s in shards:  # the runs cover the rank's heads, each run uniformly grouped
                 assert s.q_count > 0
-                group = heads // kv
-                assert s.kv_start <= s.q_start // group
-                assert (s.q_start + s.q_count - 1) // group < s.kv_start + s.kv_count
+                runs = s.runs()
+                assert sum(qn for _, qn, _, _ in runs) == s.q_count
+                assert sum(kn for _, _, _, kn in runs) == s.kv_count
+                for q0, qn, k0, kn in runs:
+                    assert qn % kn == 0
+                    for q in range(q0, q0 + qn):  # each query head reads its own KV head
+                        local_kv = k0 + (q - q0) // (qn // kn)
+                        assert (s.q_start + q) // group == s.kv_start + local_kv
 
 
 def test_no_valid_split_is_a_user_error():

@@ -132,9 +132,12 @@ def run_bench_attention(args: argparse.Namespace) -> None:
     config = load_model_config(args.model or default_model_path())
     dtype = DTYPES[resolve_dtype(args.dtype)]
     shard = partition_heads(config.num_heads, config.num_kv_heads, args.tp)[0]
-    heads, kv_heads, dim = shard.q_count, shard.kv_count, config.head_dim
-    print(f"attention of rank 0 at tp {args.tp}: {heads} query heads, {kv_heads} KV heads, "
-          f"head dim {dim}, {dtype}, {torch.get_num_threads()} threads")
+    # A rank holding part of a KV group attends per uniformly grouped run; time the largest.
+    _, heads, _, kv_heads = max(shard.runs(), key=lambda run: run[1])
+    dim = config.head_dim
+    print(f"attention of rank 0 at tp {args.tp}: {heads} query heads, {kv_heads} KV heads"
+          f"{' (its largest uniform run)' if len(shard.runs()) > 1 else ''}, head dim {dim}, "
+          f"{dtype}, {torch.get_num_threads()} threads")
     cases = [(f"decode bs {b}, context {c}", decode_paths(b, c, heads, kv_heads, dim, dtype))
              for b, c in DECODE_SHAPES]
     cases += [(f"prefill {b} x {t}" + (f" after {p}" if p else ""),

@@ -118,6 +118,18 @@ class Communicator(ABC):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.all_reduce_async(x).wait()
 
+    def gather_to_first(self, x: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor | None:
+        """Every rank's `x` concatenated along dim 0 on rank 0 (rank r contributes sizes[r]
+        rows); None on the other ranks, which need not wait for the copy."""
+        if self.world_size == 1:
+            return x
+        gathered = self._gather_to_first(x, list(sizes))
+        return gathered if self.rank == 0 else None
+
+    def _gather_to_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+        """Backends without a rooted gather: everyone gathers."""
+        return self._start_all_gather(x, sizes).wait()
+
     def all_gather(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> torch.Tensor:
         return self.all_gather_async(x, sizes).wait()
 
@@ -191,6 +203,14 @@ class TorchCommunicator(Communicator):
             local, lambda: _all_gather_single(out, local, group=self.group, async_op=True),
             lambda: _unpad_gathered(out, sizes, rows))
 
+    def _gather_to_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+        rows = max(sizes)
+        local = _pad_rows(x, rows)
+        parts = [torch.empty_like(local) for _ in sizes] if self.rank == 0 else None
+        first = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.gather(local, parts, dst=first, group=self.group)
+        return torch.cat([p[:s] for p, s in zip(parts, sizes)]) if parts else None
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -236,6 +256,9 @@ class SwitchableCommunicator(Communicator):
     def _start_all_reduce_into(self, shape: tuple[int, ...], dtype: torch.dtype,
                                produce: Callable[[torch.Tensor | None], torch.Tensor]) -> Handle:
         return self._backend()._start_all_reduce_into(shape, dtype, produce)
+
+    def _gather_to_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+        return self._backend()._gather_to_first(x, sizes)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.skip else self.real.all_reduce(x)

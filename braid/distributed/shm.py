@@ -39,7 +39,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from braid.config import SHM_NEEDS_TSO, UserError, host_has_total_store_order
@@ -331,32 +330,49 @@ class ShmCommunicator(Communicator):
         return Handle(finish_chunks)
 
     def _start_all_gather(self, x: torch.Tensor, sizes: list[int]) -> Handle:
-        row = int(np.prod(x.shape[1:], dtype=np.int64))
-        numels = [s * row for s in sizes]
-        flat = x.contiguous().view(-1)
-        step = self._chunk_elems(x.dtype)
-        # Every rank runs the same number of chunks (the largest contribution's), so operation
-        # numbers stay aligned; a rank that has run out of data posts empty chunks.
-        num_chunks = max(1, -(-max(numels) // step))
+        chunks = self._gather_chunks(x, sizes)
         out = torch.empty((sum(sizes), *x.shape[1:]), dtype=x.dtype, device=x.device)
-        out_flat = out.view(-1)
-        offsets = np.concatenate([[0], np.cumsum(numels)[:-1]])
-        first = self._post(flat[0:step])
+        first = self._post(chunks[0])
+        return Handle(lambda: self._collect(first, chunks, x, sizes, out))
 
-        def finish() -> torch.Tensor:
-            op = first
-            for i in range(num_chunks):
-                if i:
-                    op = self._post(flat[i * step:(i + 1) * step])
+    def _gather_to_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+        chunks = self._gather_chunks(x, sizes)
+        out = (torch.empty((sum(sizes), *x.shape[1:]), dtype=x.dtype, device=x.device)
+               if self.rank == 0 else None)
+        return self._collect(self._post(chunks[0]), chunks, x, sizes, out)
+
+    def _gather_chunks(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """This rank's slot-sized pieces of `x`. Every rank has as many as the largest
+        contribution needs, so operation numbers stay aligned; a rank that has run out of data
+        posts empty ones."""
+        row = math.prod(x.shape[1:])
+        step = self._chunk_elems(x.dtype)
+        flat = x.contiguous().view(-1)
+        num_chunks = max(1, -(-max(sizes) * row // step))
+        return [flat[i * step:(i + 1) * step] for i in range(num_chunks)]
+
+    def _collect(self, first: int, chunks: list[torch.Tensor], x: torch.Tensor,
+                 sizes: list[int], out: torch.Tensor | None) -> torch.Tensor | None:
+        """Post the chunks after the first one at a time and copy every rank's into `out`.
+        Without `out` (rank > 0 of a gather to rank 0) each chunk is released once posted:
+        rank 0's release still guards the slot's reuse."""
+        row = math.prod(x.shape[1:])
+        numels = [s * row for s in sizes]
+        offsets = [sum(numels[:r]) for r in range(len(numels))]
+        step = self._chunk_elems(x.dtype)
+        op = first
+        for i, chunk in enumerate(chunks):
+            if i:
+                op = self._post(chunk)
+            if out is not None:
                 lengths = [max(0, min(step, n - i * step)) for n in numels]
                 parts = self._arrived(op, x.dtype, [(n,) for n in lengths])
+                out_flat = out.view(-1)
                 for r, part in enumerate(parts):
-                    start = int(offsets[r]) + i * step
+                    start = offsets[r] + i * step
                     out_flat[start:start + lengths[r]].copy_(part)
-                self._release(op)
-            return out
-
-        return Handle(finish)
+            self._release(op)
+        return out
 
     def close(self) -> None:
         # Views into the map must go before the map can close; the file is the launcher's.

@@ -4,6 +4,7 @@ draw) fails alone: its token is None and the error names the cause."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from braid.engine.batch import Penalty, SamplingBatch, StepPlan, StepResult
@@ -16,7 +17,7 @@ def postprocess(logits: torch.Tensor, plan: StepPlan, generator: torch.Generator
     """Rank 0's answer to `plan` from the logits of its logit rows ([R, vocab], fp32)."""
     result = StepResult(plan.step_id, logits=logits.cpu() if plan.return_logits else None)
     if plan.sampling is not None:
-        rows = logits[torch.from_numpy(plan.sample_rows).to(logits.device)]
+        rows = _select_rows(logits, plan.sample_rows)
         result.tokens, result.errors = sample(rows, plan.sampling, generator)
         sampling = plan.sampling
         if (sampling.num_logprobs >= 0).any() or any(sampling.scored_ids):
@@ -27,9 +28,16 @@ def postprocess(logits: torch.Tensor, plan: StepPlan, generator: torch.Generator
     if plan.prompt_logprobs is not None:
         wanted = plan.prompt_logprobs
         result.prompt_logprobs = token_logprobs(
-            logits[torch.from_numpy(wanted.rows).to(logits.device)], wanted.targets.tolist(),
+            _select_rows(logits, wanted.rows), wanted.targets.tolist(),
             wanted.num_logprobs)
     return result
+
+
+def _select_rows(logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+    """logits[rows], without a copy when that is every row in order (a decode step)."""
+    if len(rows) == logits.shape[0] and np.array_equal(rows, np.arange(len(rows))):
+        return logits
+    return logits[torch.from_numpy(rows).to(logits.device)]
 
 
 def token_logprobs(logits: torch.Tensor, chosen: list[int], num_logprobs,
@@ -62,11 +70,13 @@ def sample(logits: torch.Tensor, params: SamplingBatch,
     Rows with temperature 0 take the argmax. A seeded row draws from a generator seeded by its
     seed and output position, so its tokens do not depend on what else is in the batch.
     """
-    errors: dict[int, str] = {}
-    for row in torch.isnan(logits).any(dim=-1).nonzero().flatten().tolist():
-        errors[row] = "the model produced NaN logits"
     logits = _constrained(logits, params)
     tokens = logits.argmax(dim=-1)
+    # argmax picks a NaN where a row has one (NaN compares greatest), so the chosen logits
+    # reveal the failed rows without another pass over the vocabulary.
+    chosen = logits.gather(1, tokens[:, None])[:, 0]
+    errors = {row: "the model produced NaN logits"
+              for row in torch.isnan(chosen).nonzero().flatten().tolist()}
     temperatures = torch.from_numpy(params.temperatures).to(logits.device)
     sampled_rows = [r for r in (temperatures > 0).nonzero().flatten().tolist() if r not in errors]
     if sampled_rows:

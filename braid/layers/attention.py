@@ -3,6 +3,8 @@ the kernel is chosen by the shape of each group of sequences (see `attention_ops
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -21,13 +23,18 @@ class PagedAttention(nn.Module):
     runner after it has sized the cache.
     They start zeroed, so the unused tail of a sequence's last block holds finite values, which
     the length mask then excludes.
+
+    `runs` (`HeadShard.runs()`) lists the rank's head ranges that are each uniformly grouped
+    (a rank holding part of a KV head's query group); by default all heads form one.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 runs: list[tuple[int, int, int, int]] | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.runs = runs or [(0, num_heads, 0, num_kv_heads)]
         self.scale = head_dim ** -0.5
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -53,11 +60,11 @@ class PagedAttention(nn.Module):
         if meta.decode:
             keys = gather_blocks(self.k_cache, meta.block_tables)
             values = gather_blocks(self.v_cache, meta.block_tables)
-            out = decode_attention(q, keys, values, meta.key_mask, self.scale)
+            out = self._by_runs(decode_attention, q, keys, values, meta.key_mask, self.scale)
         elif meta.equal_fresh:
             shape = (meta.batch_size, meta.q_lens[0], -1, self.head_dim)
-            out = batched_causal_attention(q.view(shape), k.view(shape), v.view(shape),
-                                           self.scale)
+            out = self._by_runs(batched_causal_attention, q.view(shape), k.view(shape),
+                                v.view(shape), self.scale)
         else:
             out = concat_groups([
                 self._attend_sequence(q, k, v, meta, b) for b in range(meta.batch_size)])
@@ -72,7 +79,18 @@ class PagedAttention(nn.Module):
         else:
             keys = gather_blocks(self.k_cache, blocks[None])[0, :meta.kv_lens[b]]
             values = gather_blocks(self.v_cache, blocks[None])[0, :meta.kv_lens[b]]
-        return causal_attention(q[rows], keys, values, meta.masks[b], self.scale)
+        return self._by_runs(causal_attention, q[rows], keys, values, meta.masks[b], self.scale)
+
+    def _by_runs(self, kernel: Callable[..., torch.Tensor], q: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor, *args: object) -> torch.Tensor:
+        """`kernel(q, keys, values, *args)` per uniformly grouped run of heads (the head axis
+        is the second last of all three), outputs joined along the heads."""
+        if len(self.runs) == 1:
+            return kernel(q, keys, values, *args)
+        return torch.cat([
+            kernel(q[..., qs:qs + qn, :], keys[..., ks:ks + kn, :], values[..., ks:ks + kn, :],
+                   *args)
+            for qs, qn, ks, kn in self.runs], dim=-2)
 
 
 def write_cache(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -43,7 +43,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module, Quantizable):
-    """Logits over this rank's vocabulary range, gathered into the full vocabulary.
+    """Logits over this rank's vocabulary range, gathered into the full vocabulary on rank 0
+    (which samples); the other ranks get no rows.
 
     With tied embeddings the head reuses the embedding's weight (same vocabulary split).
     """
@@ -71,5 +72,7 @@ class ParallelLMHead(nn.Module, Quantizable):
             # runs this orientation about 1.5x faster than F.linear; it is the gather's layout.
             local = torch.mm(self.quantizable_weight(), hidden.t())
         if self.comm.world_size > 1:
-            local = self.comm.all_gather(local, self.vocab_sizes)
+            local = self.comm.gather_to_first(local, self.vocab_sizes)
+            if local is None:
+                return hidden.new_empty(0, sum(self.vocab_sizes))
         return local.t()

@@ -21,42 +21,53 @@ def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class HeadShard:
-    """The attention heads one rank owns: query heads and the KV heads they read."""
+    """The attention heads one rank owns: a contiguous range of query heads and the KV heads
+    they read (a KV head whose group is cut between ranks is held by each of them)."""
 
     q_start: int
     q_count: int
     kv_start: int
     kv_count: int
+    group_size: int  # query heads per KV head in the model
+
+    def runs(self) -> list[tuple[int, int, int, int]]:
+        """(first query head, query heads, first KV head, KV heads), local to this rank: runs
+        of KV heads that each serve the same number of this rank's query heads, so attention
+        is one grouped-query call per run (a single run when the split keeps groups whole)."""
+        runs: list[list[int]] = []
+        q_end = self.q_start + self.q_count
+        for j in range(self.kv_count):
+            kv = self.kv_start + j
+            served = (min(q_end, (kv + 1) * self.group_size)
+                      - max(self.q_start, kv * self.group_size))
+            if runs and runs[-1][1] == served * runs[-1][3]:
+                runs[-1][1] += served
+                runs[-1][3] += 1
+            else:
+                q_local = sum(run[1] for run in runs)
+                runs.append([q_local, served, j, 1])
+        return [tuple(run) for run in runs]
 
 
 def partition_heads(num_heads: int, num_kv_heads: int, tp: int) -> list[HeadShard]:
-    """Assign heads to ranks contiguously, keeping each query head with its KV group.
+    """Split the query heads over ranks as evenly as possible (contiguously, remainders
+    first); each rank holds the KV heads its query heads read.
 
-    With tp <= num_kv_heads, KV heads are split (unevenly if need be) and each rank takes the query
-    heads of its KV heads. With more ranks than KV heads, each rank holds one KV head (replicated on
-    the ranks that share it) and those ranks split that head's query group. Raises `UserError` when
-    no valid split exists (a rank would get no query head).
+    An even query split balances the attention block, which every rank finishes before the
+    same all-reduce: SmolLM2's 9 heads in 3 KV groups split 5/4 at tp 2 (the middle KV head on
+    both ranks), where whole groups would split 6/3 and leave rank 1 idle a third of the
+    block. Raises `UserError` when a rank would get no query head.
     """
     if num_heads % num_kv_heads:
         raise UserError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if tp > num_heads:
+        raise UserError(f"--tp {tp} cannot split {num_heads} query heads: a rank would get none; "
+                        f"use --tp of at most {num_heads}")
     group = num_heads // num_kv_heads
-    if tp <= num_kv_heads:
-        shards = []
-        for rank in range(tp):
-            kv_start, kv_count = split_range(num_kv_heads, tp, rank)
-            shards.append(HeadShard(kv_start * group, kv_count * group, kv_start, kv_count))
-        return shards
-    owner = [rank * num_kv_heads // tp for rank in range(tp)]
     shards = []
     for rank in range(tp):
-        kv = owner[rank]
-        sharing = [r for r in range(tp) if owner[r] == kv]
-        if len(sharing) > group:
-            raise UserError(
-                f"--tp {tp} cannot split {num_heads} query heads over {num_kv_heads} KV heads: "
-                f"{len(sharing)} ranks would share a group of {group} query heads; "
-                f"use --tp of at most {num_heads}"
-            )
-        q_start, q_count = split_range(group, len(sharing), sharing.index(rank))
-        shards.append(HeadShard(kv * group + q_start, q_count, kv, 1))
+        q_start, q_count = split_range(num_heads, tp, rank)
+        kv_start = q_start // group
+        kv_end = (q_start + q_count - 1) // group + 1
+        shards.append(HeadShard(q_start, q_count, kv_start, kv_end - kv_start, group))
     return shards

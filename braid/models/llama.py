@@ -33,7 +33,7 @@ class LlamaAttention(nn.Module):
                                         in_range=(heads.q_start * d, heads.q_count * d),
                                         reduce=False, dtype=dtype)
         self.rotary = rotary
-        self.attn = PagedAttention(heads.q_count, heads.kv_count, d)
+        self.attn = PagedAttention(heads.q_count, heads.kv_count, d, heads.runs())
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch,
                 out: torch.Tensor | None = None) -> torch.Tensor:
