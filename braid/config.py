@@ -21,6 +21,13 @@ SWITCH_CHOICES = ["auto", "on", "off"]
 # at 32 tokens (0.79x per rank; 0.49-0.57x from 256); on an H200 the bf16 GEMM takes as long for
 # half the tokens up to 1024 and 0.65x at 4096, before any all-gather.
 DP_LINEAR_MIN_TOKENS = {"cpu": 32, "cuda": 4096}
+# `--overlap auto` from this many tokens per step, by backend. Measured on the 2-core CPU host
+# (bench-one-batch, tp 2, off and on interleaved, best of 3): over gloo overlap hides enough to
+# pay from 1024 tokens (1.25x at 4 x 256, 1.17x at 8 x 512); over shm the zero-copy block sums
+# leave little to hide, and two half-size micro-batches cost about as much as they save
+# (0.97x at 4 x 256, 0.96x at 8 x 256, 1.04x at 8 x 512), so auto splits only steps larger
+# than the CPU's default 2048-token budget.
+OVERLAP_MIN_TOKENS = {"shm": 4096, "torch": 1024}
 # Token budget of one step (decodes plus prompt chunks) by device, as vLLM and SGLang size it:
 # on CPU a 2048-token step takes a few seconds, the longest pause a running stream sees.
 MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
@@ -219,7 +226,7 @@ class EngineConfig:
     prefix_caching: bool = True
     seed: int = 0
     overlap: str = "auto"
-    overlap_min_tokens: int = 1024
+    overlap_min_tokens: int | None = None  # None: the measured default of the backend
     tbo_token_distribution_threshold: float = 0.48
     dp_linear: str = "auto"
     dp_linear_min_tokens: int | None = None  # None: the measured default of the device
@@ -248,6 +255,8 @@ class EngineConfig:
                 raise UserError(f"{flag} must be one of {', '.join(SWITCH_CHOICES)}, "
                                 f"got {value!r}")
         kind = "cuda" if self.device.startswith("cuda") else "cpu"
+        if self.overlap_min_tokens is None:
+            object.__setattr__(self, "overlap_min_tokens", OVERLAP_MIN_TOKENS[self.comm])
         if self.dp_linear_min_tokens is None:
             object.__setattr__(self, "dp_linear_min_tokens", DP_LINEAR_MIN_TOKENS[kind])
         if self.max_num_batched_tokens is None:

@@ -84,3 +84,13 @@ def test_unpermute_rotary_inverts_llama_cpp_permutation():
     assert torch.equal(unpermute_rotary(permuted, heads), w)
     # Head by head, as a rank slices it.
     assert torch.equal(unpermute_rotary(permuted[head_dim:], heads - 1), w[head_dim:])
+
+
+def test_the_split_printed_at_startup_names_each_ranks_heads(model_path):
+    from braid.config import load_model_config
+    from braid.models.llama import LlamaForCausalLM
+
+    config = load_model_config(model_path)
+    assert LlamaForCausalLM.describe_split(config, 2) == (
+        "rank 0: query heads 0-4 (KV 0-1); rank 1: query heads 5-8 (KV 1-2); "
+        "MLP columns 768/768; vocabulary rows 24576/24576")

@@ -25,7 +25,9 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village,"]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with braid_server("--tp", "2", "--api-key", KEY,
+    # Overlap from 1024 tokens (the gloo default; shm's is above a CPU step) so long prompts
+    # run the overlapped path through the server.
+    with braid_server("--tp", "2", "--api-key", KEY, "--overlap-min-tokens", "1024",
                       log_dir=tmp_path_factory.mktemp("server")) as server:
         yield server
 
@@ -126,7 +128,7 @@ def test_echo_logprobs_score_the_prompt(client, model):
 
 
 def test_echo_logprobs_of_a_long_prompt_under_two_batch_overlap(client, model):
-    """1500 prompt tokens: the step is overlapped (auto, from 1024 tokens) and its logits
+    """1500 prompt tokens: the step is overlapped (auto, from 1024 tokens here) and its logits
     gather is chunked through the shm ring beside the other micro-batch's all-reduce."""
     prompt = list(range(1000, 2500))
     response = client.completions.create(model=model, prompt=prompt, max_tokens=1, echo=True,

@@ -4,6 +4,11 @@ Each size is measured after warm-up as back-to-back synchronous collectives on e
 rank 0's per-operation times give the median and p90. Algorithm bandwidth is bytes / median
 time, where bytes is the tensor reduced (all-reduce) or the gathered output (all-gather, each
 rank contributing bytes / tp), as nccl-tests count it.
+
+`block_sum` is what a decoder block pays for its all-reduce: the new residual, the sum over
+ranks plus the old residual. Through shm the block's GEMM has written its partial into the
+slot already (`all_reduce_into_async`; that write is the GEMM's own), so the collective is
+the wait and one summing pass; through torch it is an all-reduce, then the add.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from braid.distributed.comm import Communicator, TorchCommunicator
 from braid.distributed.launch import RankGroup
 from braid.distributed.shm import ShmCommunicator, ShmSegment
 
-OPS = ("all_reduce", "all_gather")
+OPS = ("all_reduce", "block_sum", "all_gather")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -46,7 +51,8 @@ def _measure(comm: Communicator, op: str, nbytes: int, dtype: torch.dtype) -> li
     if op == "all_gather":
         numel = max(1, numel // comm.world_size)
     x = torch.randn(numel).to(dtype)
-    run = comm.all_reduce if op == "all_reduce" else comm.all_gather
+    run = {"all_reduce": comm.all_reduce, "all_gather": comm.all_gather,
+           "block_sum": lambda y: _block_sum(comm, y, x)}[op]
     for _ in range(5):
         run(x.clone())
     times = []
@@ -56,6 +62,15 @@ def _measure(comm: Communicator, op: str, nbytes: int, dtype: torch.dtype) -> li
         run(y)
         times.append(time.perf_counter() - start)
     return times
+
+
+def _block_sum(comm: Communicator, partial: torch.Tensor,
+               residual: torch.Tensor) -> torch.Tensor:
+    """The residual plus the sum over ranks of `partial`, which the producer leaves in the
+    send buffer where the backend has one (the timing excludes writing it: a GEMM does)."""
+    handle = comm.all_reduce_into_async(partial.shape, partial.dtype,
+                                        lambda out: partial if out is None else out)
+    return handle.wait_add(residual)
 
 
 def bench_comm_worker(rank: int, world_size: int, conn, backends: list[str], sizes: list[int],

@@ -91,6 +91,7 @@ def run_overlap_sweep(args: argparse.Namespace, config) -> list[dict]:
     """
     sizes = [int(b) for b in args.sweep_batch_sizes.split(",")]
     workload = BraidWorkload(args, max(sizes), args.input_len, args.output_len)
+    min_tokens = workload.llm.config.overlap_min_tokens  # the backend's default if not given
     points = []
     try:
         for bs in sizes:
@@ -108,7 +109,7 @@ def run_overlap_sweep(args: argparse.Namespace, config) -> list[dict]:
         workload.close()
     threshold = _crossover(points)
     print(f"\nOverlap sweep: tp={args.tp} comm={args.comm} dtype={args.dtype} "
-          f"input_len={args.input_len} overlap_min_tokens={args.overlap_min_tokens} "
+          f"input_len={args.input_len} overlap_min_tokens={min_tokens} "
           f"(prefill step / median decode step, fastest of {args.repeat})")
     print(f"{'kind':>8} {'batch':>6} {'tokens':>7} | {'off s':>9} {'on s':>9} {'on/off':>7} | "
           f"{'auto s':>9} {'auto/best':>9}")
@@ -118,7 +119,7 @@ def run_overlap_sweep(args: argparse.Namespace, config) -> list[dict]:
         print(f"{p['kind']:>8} {p['batch_size']:6d} {p['tokens']:7d} | {p['off']:9.4f} "
               f"{p['on']:9.4f} {p['off'] / p['on']:6.3f}x | {p['auto']:9.4f} "
               f"{p['auto'] / best_time:8.3f}x")
-        rows.append(base_row(args, **p, overlap_min_tokens=args.overlap_min_tokens,
+        rows.append(base_row(args, **p, overlap_min_tokens=min_tokens,
                              crossover_tokens=threshold, auto_over_best=p["auto"] / best_time))
     print(f"\ncrossover: overlap pays from {threshold} tokens per step here; "
           f"set --overlap-min-tokens {threshold} (with --overlap auto)")

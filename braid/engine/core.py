@@ -8,6 +8,7 @@ detokenizing and stop strings belong to the front ends.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from itertools import count
 from pathlib import Path
@@ -53,7 +54,11 @@ class RankExecutor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         check_not_bootstrapping()
         # Refuse an unsupported architecture or split before launching.
-        model_class(model_config).check_config(model_config, config.tp)
+        model_cls = model_class(model_config)
+        model_cls.check_config(model_config, config.tp)
+        split = model_cls.describe_split(model_config, config.tp) if config.tp > 1 else ""
+        if split:
+            print(f"tp {config.tp} split: {split}", file=sys.stderr)
         if config.cache and Path(config.model).is_file():
             prepare_gguf_weights(config.model, model_config, config.torch_dtype)
         segment = None

@@ -91,6 +91,12 @@ class CausalLM(nn.Module):
         """Raise `UserError` if this checkpoint cannot run at `tp` ranks (the driver calls it
         before launching, so the user gets one clear line instead of a rank's traceback)."""
 
+    @classmethod
+    def describe_split(cls, config: ModelConfig, tp: int) -> str:
+        """How `tp` ranks divide the model, one line for the start-up message ("" if
+        nothing to say)."""
+        return ""
+
     def __init__(self, config: ModelConfig, model: DecoderModel) -> None:
         super().__init__()
         self.config = config

@@ -11,7 +11,7 @@ from braid.engine.batch import ForwardBatch
 from braid.layers.attention import PagedAttention
 from braid.layers.linear import QKVParallelLinear, RowParallelLinear
 from braid.layers.mlp import GATE_UP_STACKED, GatedMLP
-from braid.layers.partition import partition_heads
+from braid.layers.partition import partition_heads, split_sizes
 from braid.layers.rotary import RotaryEmbedding
 from braid.models.common import CausalLM, DecoderLayer, DecoderModel
 from braid.overlap.operations import YIELD, State
@@ -66,6 +66,10 @@ class LlamaDecoderLayer(DecoderLayer):
             hidden, lambda out: self.self_attn(hidden, batch, out)))
 
 
+def _span(start: int, count: int) -> str:
+    return str(start) if count == 1 else f"{start}-{start + count - 1}"
+
+
 class LlamaForCausalLM(CausalLM):
     """Llama with a vocabulary-parallel LM head; returns logits of the requested tokens."""
 
@@ -80,6 +84,16 @@ class LlamaForCausalLM(CausalLM):
     @classmethod
     def check_config(cls, config: ModelConfig, tp: int) -> None:
         partition_heads(config.num_heads, config.num_kv_heads, tp)
+
+    @classmethod
+    def describe_split(cls, config: ModelConfig, tp: int) -> str:
+        ranks = []
+        for rank, s in enumerate(partition_heads(config.num_heads, config.num_kv_heads, tp)):
+            ranks.append(f"rank {rank}: query heads {_span(s.q_start, s.q_count)} "
+                         f"(KV {_span(s.kv_start, s.kv_count)})")
+        sizes = lambda total: "/".join(map(str, split_sizes(total, tp)))  # noqa: E731
+        return (f"{'; '.join(ranks)}; MLP columns {sizes(config.intermediate_size)}; "
+                f"vocabulary rows {sizes(config.vocab_size)}")
 
     def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
