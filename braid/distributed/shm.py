@@ -6,9 +6,12 @@ and the next slot in round-robin order that this rank has not posted into and le
 Every rank posts and waits in the same program order, so every rank picks the same slot for k:
 
 - `post`: wait until every rank has released the slot's previous use, copy this rank's data
-  into its slot, then publish k in the slot's header.
+  into its slot, then publish k in the slot's header. `all_reduce_into_async` reserves the slot
+  first and lets the producer (a block's row-parallel GEMM) write its output there: no copy.
 - `wait`: spin until every rank has published k, reduce (or gather) all ranks' slots into the
-  output, then release the slot by writing k as this rank's consumed mark.
+  output, then release the slot by writing k as this rank's consumed mark. `wait_add` sums the
+  slots straight into the new residual. A gather to rank 0 (the logits) has the other ranks
+  release their chunk as soon as it is posted; rank 0's release still guards its reuse.
 
 A slot still held by a posted, unwaited operation (the other micro-batch's all-reduce under
 two-batch overlap) is never picked, so a collective chunked into more pieces than there are
@@ -17,7 +20,8 @@ release (which deadlocked).
 
 Between the two, the caller computes (two-batch overlap runs the other micro-batch there), so the
 wait is usually free. Tensors larger than a slot go in chunks, one operation each. Reductions run
-in rank order on every rank (bitwise-identical results everywhere), in fp32 for 16-bit inputs.
+in rank order on every rank (bitwise-identical results everywhere), rounding 16-bit sums as an
+fp32 accumulation would.
 
 Ordering relies on the host's total store order (x86): the data copy completes before the header
 store that publishes it, and readers load the header before the data. Python has no portable
@@ -375,7 +379,8 @@ class ShmCommunicator(Communicator):
         return out
 
     def close(self) -> None:
-        # Views into the map must go before the map can close; the file is the launcher's.
+        # Views into the map must go before the map can close. The file is gone already (rank 0
+        # unlinks it once all have mapped it; the launcher's cleanup covers an early crash).
         self._header.release()
         self._header = self._slots = None
         self._view_cache.clear()
