@@ -11,6 +11,7 @@ import warnings
 
 from braid.config import (
     COMM_CHOICES,
+    COMPILE_CHOICES,
     DTYPE_CHOICES,
     SWITCH_CHOICES,
     EngineConfig,
@@ -65,6 +66,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=["none", "int8"], default="none",
                         help="int8: per-channel int8 copies of the linear weights, used by GEMMs "
                              "of a few rows (decode at small batch; bf16/fp16 models)")
+    parser.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
+                        help="fuse each rank's elementwise work (RMSNorm, rotary) with "
+                             "torch.compile for steps of 128 tokens or more: on (compiled at "
+                             "start), off, or auto (CPU: compiled at the first such step)")
     parser.add_argument("--no-cache", dest="cache", action="store_false",
                         help="neither read nor write braid's cache of what is derived from a "
                              "GGUF file (config, tokenizer, dequantised weights; kept under "
@@ -88,7 +93,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
                 dp_linear=args.dp_linear, dp_linear_min_tokens=args.dp_linear_min_tokens,
                 device=args.device, trace=args.trace, cache=args.cache,
-                quantization=args.quantization)
+                quantization=args.quantization, compile=args.compile)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

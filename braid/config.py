@@ -16,6 +16,8 @@ DTYPE_CHOICES = ["auto", *DTYPES]
 COMM_CHOICES = ["auto", "shm", "torch"]
 # Per-step optimisations (--overlap, --dp-linear): always, never, or from a token count.
 SWITCH_CHOICES = ["auto", "on", "off"]
+# --compile: torch.compile of the per-rank elementwise work (see braid.layers.fused).
+COMPILE_CHOICES = ["auto", "on", "off"]
 # `--dp-linear auto` from this many tokens per step. Measured (bench-dp-linear, the bench
 # preset's 2048 -> 2112 projection at tp 2): on the 2-core CPU host the token split already pays
 # at 32 tokens (0.79x per rank; 0.49-0.57x from 256); on an H200 the bf16 GEMM takes as long for
@@ -233,6 +235,7 @@ class EngineConfig:
     trace: str | None = None
     cache: bool = True  # braid's cache of derived checkpoint files (--no-cache: off)
     quantization: str = "none"  # "int8": int8 weight copies for GEMMs of few rows
+    compile: str = "auto"  # torch.compile of the elementwise work: auto (CPU, lazily), on, off
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -267,6 +270,9 @@ class EngineConfig:
             raise UserError("--tbo-token-distribution-threshold must be in (0, 0.5]")
         if self.max_num_batched_tokens < 1:
             raise UserError("--max-num-batched-tokens must be at least 1")
+        if self.compile not in COMPILE_CHOICES:
+            raise UserError(f"--compile must be one of {', '.join(COMPILE_CHOICES)}, "
+                            f"got {self.compile!r}")
         if self.quantization not in ("none", "int8"):
             raise UserError(f"--quantization must be none or int8, got {self.quantization!r}")
         if self.max_running_requests < 1:

@@ -11,6 +11,7 @@ from braid.distributed.comm import SwitchableCommunicator
 from braid.engine.batch import ForwardBatch, StepPlan, StepResult
 from braid.engine.kv_cache import num_kv_blocks
 from braid.engine.sampler import postprocess
+from braid.layers.fused import configure_compile
 from braid.layers.quant import quantize_linear_layers
 from braid.loader.weights import load_weights, with_progress
 from braid.models.registry import model_class
@@ -66,6 +67,7 @@ class ModelRunner:
         if engine.quantization == "int8":
             quantize_linear_layers(self.model)
         self.model.to(self.device).eval()
+        configure_compile(engine.compile, engine.device, announce=comm.rank == 0)
         self.operations = self.model.operations()
         self._allocate_kv_cache()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from braid.layers.fused import rms_norm
 from braid.layers.linear import ReplicatedLinear
 
 
@@ -18,6 +19,4 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = ReplicatedLinear.load_full
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
