@@ -1,0 +1,77 @@
+"""`--compile`: the compiled elementwise kernels equal the eager ones, small steps stay eager,
+a failing compiler falls back, and a compiled model answers as the eager one does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from braid.layers import fused
+
+
+@pytest.fixture
+def kernels():
+    """This process's kernel choice, restored afterwards."""
+    saved = fused._kernels
+    fused._kernels = fused._Kernels()
+    try:
+        yield fused._kernels
+    finally:
+        fused._kernels = saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_kernels_equal_eager(kernels, dtype):
+    fused.configure_compile("on")
+    assert kernels.compiled is not None, "torch.compile failed on this host"
+    gen = torch.Generator().manual_seed(0)
+    for rows in (fused.COMPILED_MIN_TOKENS, 300):
+        x = torch.randn(rows, 576, generator=gen).to(dtype)
+        weight = torch.randn(576, generator=gen).to(dtype)
+        heads = torch.randn(rows, 5, 64, generator=gen).to(dtype)
+        angle = torch.randn(rows, 1, 32, generator=gen)
+        # bf16: one rounding of the fused product instead of two may move the last bit
+        tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(fused.rms_norm(x, weight, 1e-5),
+                                   fused._rms_norm(x, weight, 1e-5), atol=tolerance,
+                                   rtol=tolerance)
+        for interleaved in (False, True):
+            torch.testing.assert_close(
+                fused.rotate(heads, angle.cos(), angle.sin(), interleaved),
+                fused._rotate(heads, angle.cos(), angle.sin(), interleaved),
+                atol=tolerance, rtol=tolerance)
+
+
+def test_small_steps_and_off_stay_eager(kernels):
+    fused.configure_compile("off")
+    assert kernels.pick("rms_norm", 4096) is fused._rms_norm
+    fused.configure_compile("auto")
+    assert kernels.pick("rms_norm", fused.COMPILED_MIN_TOKENS - 1) is fused._rms_norm
+    assert kernels.compiled is None  # auto compiles only when a large step needs it
+    fused.configure_compile("auto", device="cuda")
+    assert kernels.pick("rms_norm", 4096) is fused._rms_norm
+
+
+def test_a_failing_compiler_warns_and_stays_eager(kernels, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.warns(UserWarning, match="torch.compile failed.*no C.. compiler.*running eager"):
+        fused.configure_compile("on")
+    assert kernels.pick("rotate", 4096) is fused._rotate
+
+
+def test_a_compiled_model_answers_as_the_eager_one(model_path):
+    """300 prompt tokens take the compiled path; logits and greedy tokens match eager."""
+    from braid import LLM, SamplingParams
+
+    prompt = [list(range(500, 800))]
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    results = {}
+    for mode in ("off", "on"):
+        with LLM(model_path, dtype="fp32", compile=mode) as llm:
+            results[mode] = (llm.prompt_logits(prompt)[0],
+                             llm.generate([prompt[0]], params)[0].token_ids)
+    assert results["on"][1] == results["off"][1]
+    assert (results["on"][0] - results["off"][0]).abs().max() < 1e-3
