@@ -67,7 +67,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="int8: per-channel int8 copies of the linear weights, used by GEMMs "
                              "of a few rows (decode at small batch; bf16/fp16 models)")
     parser.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
-                        help="fuse each rank's elementwise work (RMSNorm, rotary) with "
+                        help="fuse each rank's elementwise work (RMSNorm, rotary, SiLU) with "
                              "torch.compile for steps of 128 tokens or more: on (compiled at "
                              "start), off, or auto (CPU: compiled at the first such step)")
     parser.add_argument("--no-cache", dest="cache", action="store_false",

@@ -40,6 +40,9 @@ def test_compiled_kernels_equal_eager(kernels, dtype):
                 fused.rotate(heads, angle.cos(), angle.sin(), interleaved),
                 fused._rotate(heads, angle.cos(), angle.sin(), interleaved),
                 atol=tolerance, rtol=tolerance)
+        gate_up = torch.randn(rows, 2 * 96, generator=gen).to(dtype)
+        torch.testing.assert_close(fused.silu_mul(gate_up), fused._silu_mul(gate_up),
+                                   atol=tolerance, rtol=tolerance)
 
 
 def test_small_steps_and_off_stay_eager(kernels):

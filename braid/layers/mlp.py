@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from braid.distributed.comm import Communicator
+from braid.layers.fused import silu_mul
 from braid.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from braid.layers.partition import split_range
 
@@ -30,5 +30,4 @@ class GatedMLP(nn.Module):
             dtype=dtype)
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, out)
+        return self.down_proj(silu_mul(self.gate_up_proj(hidden)), out)
