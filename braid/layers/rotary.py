@@ -87,13 +87,25 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos", (freqs.cos() * magnitude).float(), persistent=False)
         self.register_buffer("sin", (freqs.sin() * magnitude).float(), persistent=False)
+        self._recent: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        cos, sin = self._angles(positions)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at `positions` ([tokens, 1, dim / 2]). Every layer shares this module
+        and the step's positions tensor, so the lookup runs once per step (per micro-batch
+        under overlap: the last two are kept), not once per layer."""
+        for seen, cos, sin in self._recent:
+            if seen is positions:
+                return cos, sin
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        self._recent = [(positions, cos, sin), *self._recent[:1]]
+        return cos, sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return rotate(x, cos, sin, self.interleaved)
