@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 import rank_targets
+from driver_utils import driver_process, kill_and_wait_for_ranks
 
 from braid.distributed.launch import RankFailure, RankGroup, cores_for_rank
 
@@ -111,18 +112,8 @@ def test_ranks_exit_when_their_driver_is_killed():
             print(*[p.pid for p in group.procs], flush=True)
             time.sleep(600)
     """).format(tests=str(TESTS))
-    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        pids = [int(pid) for pid in driver.stdout.readline().split()]
-        driver.kill()
-        driver.wait()
-        deadline = time.monotonic() + 5
-        while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
-                  for pid in pids):
-            assert time.monotonic() < deadline, "ranks outlived their killed driver"
-            time.sleep(0.1)
-    finally:
-        driver.kill()
+    with driver_process(script) as (driver, pids):
+        kill_and_wait_for_ranks(driver, pids, within_s=5)
 
 
 def test_a_rank_killed_during_generate_is_named_first_with_its_signal():

@@ -11,13 +11,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import rank_targets
-import torch
+from driver_utils import driver_process, kill_and_wait_for_ranks
 
 from braid.config import EngineConfig, UserError, resolve_comm
 from braid.distributed.launch import RankFailure, RankGroup
@@ -109,20 +107,10 @@ def test_no_segment_remains_after_the_driver_is_killed():
             time.sleep(600)
     """)
     before = segments()
-    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        pids = [int(pid) for pid in driver.stdout.readline().split()]
+    with driver_process(script) as (driver, pids):
         assert len(pids) == 2
         assert segments() <= before  # unlinked while the ranks run
-        driver.kill()
-        driver.wait()
-        deadline = time.monotonic() + 10
-        while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
-                  for pid in pids):
-            assert time.monotonic() < deadline, "ranks outlived their killed driver"
-            time.sleep(0.1)
-    finally:
-        driver.kill()
+        kill_and_wait_for_ranks(driver, pids, within_s=10)
     assert segments() <= before
 
 

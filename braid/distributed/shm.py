@@ -302,7 +302,7 @@ class ShmCommunicator(Communicator):
     def _start_all_reduce_into(self, shape: tuple[int, ...], dtype: torch.dtype,
                                produce: Callable[[torch.Tensor | None], torch.Tensor]) -> Handle:
         if not self._fits(shape, dtype):
-            return self._start_all_reduce(produce(None))
+            return super()._start_all_reduce_into(shape, dtype, produce)
         # Zero copy: the producer writes its partial straight into this rank's slot.
         op, slot = self._reserve()
         buffer = self._views(dtype, shape)[self.rank][slot]
@@ -364,14 +364,14 @@ class ShmCommunicator(Communicator):
         numels = [s * row for s in sizes]
         offsets = [sum(numels[:r]) for r in range(len(numels))]
         step = self._chunk_elems(x.dtype)
+        out_flat = out.view(-1) if out is not None else None
         op = first
         for i, chunk in enumerate(chunks):
             if i:
                 op = self._post(chunk)
-            if out is not None:
+            if out_flat is not None:
                 lengths = [max(0, min(step, n - i * step)) for n in numels]
                 parts = self._arrived(op, x.dtype, [(n,) for n in lengths])
-                out_flat = out.view(-1)
                 for r, part in enumerate(parts):
                     start = offsets[r] + i * step
                     out_flat[start:start + lengths[r]].copy_(part)
