@@ -66,6 +66,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=["none", "int8"], default="none",
                         help="int8: per-channel int8 copies of the linear weights, used by GEMMs "
                              "of a few rows (decode at small batch; bf16/fp16 models)")
+    parser.add_argument("--no-weight-packing", dest="weight_packing", action="store_false",
+                        help="keep bf16 linear weights row-major on CPU instead of oneDNN's "
+                             "blocked layout (which makes decode GEMMs about 1.4x faster)")
     parser.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
                         help="fuse each rank's elementwise work (RMSNorm, rotary, SiLU) with "
                              "torch.compile for steps of 128 tokens or more: on (compiled at "
@@ -93,7 +96,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
                 dp_linear=args.dp_linear, dp_linear_min_tokens=args.dp_linear_min_tokens,
                 device=args.device, trace=args.trace, cache=args.cache,
-                quantization=args.quantization, compile=args.compile)
+                quantization=args.quantization, weight_packing=args.weight_packing,
+                compile=args.compile)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

@@ -235,6 +235,7 @@ class EngineConfig:
     trace: str | None = None
     cache: bool = True  # braid's cache of derived checkpoint files (--no-cache: off)
     quantization: str = "none"  # "int8": int8 weight copies for GEMMs of few rows
+    weight_packing: bool = True  # oneDNN-blocked bf16 linear weights on CPU (braid.layers.quant)
     compile: str = "auto"  # torch.compile of the elementwise work: auto (CPU, lazily), on, off
 
     def __post_init__(self) -> None:

@@ -1,5 +1,7 @@
-"""int8 weight-only quantisation: the kernel path equals dense GEMMs on the dequantised weights,
-and bf16 decoding with int8 weights stays close to bf16 decoding."""
+"""The weight forms of linear layers. int8 weight-only quantisation: the kernel path equals
+dense GEMMs on the dequantised weights, and bf16 decoding with int8 weights stays close to bf16
+decoding. Packed bf16 weights: the same bits as row-major GEMMs, in place of the row-major
+weights."""
 
 from __future__ import annotations
 
@@ -13,7 +15,14 @@ from braid.distributed.comm import SkipCommunicator
 from braid.engine.core import EngineCore
 from braid.engine.model_runner import ModelRunner
 from braid.engine.request import Request, SamplingParams
-from braid.layers.quant import INT8_MAX_ROWS, Int8Weight, linear
+from braid.layers.linear import RowParallelLinear
+from braid.layers.quant import (
+    INT8_MAX_ROWS,
+    Int8Weight,
+    linear,
+    pack_linear_layers,
+    packing_supported,
+)
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
 
@@ -35,12 +44,52 @@ def test_per_channel_int8_weights_and_the_kernel():
     assert torch.equal(linear(big, weight, None, int8), F.linear(big, weight))  # dense path
 
 
+needs_packing = pytest.mark.skipif(not packing_supported(torch.ones(1, dtype=torch.bfloat16)),
+                                   reason="this CPU's oneDNN does not compute bf16")
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 7, 256, 300])
+def test_packed_weights_give_the_row_major_gemm_bit_for_bit(rows):
+    gen = torch.Generator().manual_seed(rows)
+    layer = RowParallelLinear(96, 80, SkipCommunicator(0, 1), reduce=False, bias=True,
+                              dtype=torch.bfloat16)
+    layer.weight.data.normal_(generator=gen)
+    layer.bias.data.normal_(generator=gen)
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    expected = F.linear(x, layer.weight, layer.bias)
+    pack_linear_layers(layer)
+    assert layer.weight is None and layer.packed is not None  # replaced, not doubled
+    assert torch.equal(layer(x), expected)
+    out = torch.empty(rows, 80, dtype=torch.bfloat16)
+    assert layer(x, out) is out and torch.equal(out, expected)  # a shm slot as `out`
+    assert torch.equal(layer(x.view(1, rows, 96)), expected.view(1, rows, 80))
+
+
+def test_fp32_weights_stay_row_major():
+    layer = RowParallelLinear(16, 8, SkipCommunicator(0, 1))
+    pack_linear_layers(layer)
+    assert layer.packed is None and layer.weight is not None
+
+
 @pytest.fixture(scope="module")
 def bf16_runners(model_path):
     config = load_model_config(model_path)
-    return {q: ModelRunner(EngineConfig(model=model_path, dtype="bf16", max_total_tokens=4096,
-                                        quantization=q), config, SkipCommunicator(0, 1))
-            for q in ("none", "int8")}
+    variants = {"none": {}, "int8": {"quantization": "int8"},
+                "row-major": {"weight_packing": False}}
+    return {name: ModelRunner(EngineConfig(model=model_path, dtype="bf16", max_total_tokens=4096,
+                                           **kwargs), config, SkipCommunicator(0, 1))
+            for name, kwargs in variants.items()}
+
+
+@needs_packing
+def test_packed_weights_decode_exactly_as_row_major(bf16_runners, prompt_ids):
+    """The whole model: packed (the default) and row-major give the same greedy tokens with the
+    same logprobs (prefill GEMMs of many rows, decode GEMMs of one)."""
+    packed = bf16_runners["none"].model.model.layers[0].mlp.down_proj
+    assert packed.weight is None and packed.packed is not None
+    for ids in prompt_ids:
+        assert greedy(bf16_runners["none"], ids) == greedy(bf16_runners["row-major"], ids)
 
 
 def greedy(runner, ids: list[int]) -> tuple[list[int], list[float]]:

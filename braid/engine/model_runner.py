@@ -12,7 +12,7 @@ from braid.engine.batch import ForwardBatch, StepPlan, StepResult
 from braid.engine.kv_cache import num_kv_blocks
 from braid.engine.sampler import postprocess
 from braid.layers.fused import configure_compile
-from braid.layers.quant import quantize_linear_layers
+from braid.layers.quant import pack_linear_layers, quantize_linear_layers
 from braid.loader.weights import load_weights, with_progress
 from braid.models.registry import model_class
 from braid.overlap.operations import execute, execute_overlapped
@@ -67,6 +67,8 @@ class ModelRunner:
         if engine.quantization == "int8":
             quantize_linear_layers(self.model)
         self.model.to(self.device).eval()
+        if engine.weight_packing:
+            pack_linear_layers(self.model)
         configure_compile(engine.compile, engine.device, announce=comm.rank == 0)
         self.operations = self.model.operations()
         self._allocate_kv_cache()

@@ -45,7 +45,7 @@ class ReplicatedLinear(nn.Module, Quantizable):
         _copy_checked(param.data, weight.load(), "replicated weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.int8)
+        return linear(x, self.weight, self.bias, self.int8, packed=self.packed)
 
 
 class DataParallelLinear(nn.Module, Quantizable):
@@ -76,7 +76,7 @@ class DataParallelLinear(nn.Module, Quantizable):
                       f"fused replicated part {shard_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, int8=self.int8)
+        return linear(x, self.weight, int8=self.int8, packed=self.packed)
 
     def forward_async(self, x: torch.Tensor) -> Handle:
         """Start the token-split product; `wait()` returns all rows, as `forward(x)` would."""
@@ -88,7 +88,7 @@ class DataParallelLinear(nn.Module, Quantizable):
         local = x[start:start + rows]
         if local.shape[0] < rows:  # the tail ranks compute zero rows that are dropped again
             local = torch.cat([local, local.new_zeros(rows - local.shape[0], x.shape[1])])
-        gathered = self.comm.all_gather_async(linear(local, self.weight, int8=self.int8))
+        gathered = self.comm.all_gather_async(self.forward(local))
         return Handle(lambda: gathered.wait()[:tokens], "dp_linear")
 
 
@@ -125,7 +125,7 @@ class ColumnParallelLinear(nn.Module, Quantizable):
                       f"column shard {shard_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.int8)
+        return linear(x, self.weight, self.bias, self.int8, packed=self.packed)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -177,5 +177,5 @@ class RowParallelLinear(nn.Module, Quantizable):
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         bias = self.bias if self.comm.rank == 0 else None
-        y = linear(x, self.weight, bias, self.int8, out)
+        y = linear(x, self.weight, bias, self.int8, out, self.packed)
         return self.comm.all_reduce(y) if self.reduce else y

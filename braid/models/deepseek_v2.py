@@ -103,6 +103,7 @@ class DeepseekV2Attention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(
             mla.kv_lora_rank, [heads * nope_v], comm,
             shard_ranges=[(start * nope_v, self.num_heads * nope_v)], dtype=dtype)
+        self.kv_b_proj.packable = False  # LatentAttention reads its weight as a matrix
         self.o_proj = RowParallelLinear(
             heads * mla.v_head_dim, hidden, comm,
             in_range=(start * mla.v_head_dim, self.num_heads * mla.v_head_dim), reduce=False,
