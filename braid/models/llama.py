@@ -39,11 +39,10 @@ class LlamaAttention(nn.Module):
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's partial output (into `out` where given); the caller all-reduces it."""
         qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(batch.positions, q, k)
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
+        qk = self.rotary.rotate(batch.positions, qk.view(-1, heads + kv_heads, d))
+        q, k = qk.split([heads, kv_heads], dim=1)
         attended = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), batch)
         return self.o_proj(attended, out)
 
