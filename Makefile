@@ -30,10 +30,14 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ""
 
 # Optional: the llama.cpp baseline of `bench-one-batch --backend llama.cpp`. It compiles llama.cpp
-# (several minutes on 2 cores); never part of `make test`.
+# for this CPU (several minutes on 2 cores); never part of `make test`. Without AMX: llama.cpp
+# 0.3.36's AMX matmul crashed (SIGSEGV) on the Q4_1 model on a Sapphire Rapids host.
 LLAMA_CPP ?= llama-cpp-python==0.3.36
+LLAMA_CPP_FLAGS ?= -mno-amx-int8 -mno-amx-tile
 bench-deps: $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/pip install "$(LLAMA_CPP)"
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(LLAMA_CPP_FLAGS)' -DCMAKE_CXX_FLAGS='$(LLAMA_CPP_FLAGS)'" \
+		$(BIN)/pip install --no-cache-dir --force-reinstall --no-deps "$(LLAMA_CPP)"
+	$(BIN)/pip install "$(LLAMA_CPP)"
 
 lint: $(STAMP)
 	$(BIN)/ruff check braid tests

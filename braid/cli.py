@@ -317,8 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=int, default=1)
     bench.add_argument("--input-len", type=int, default=1024)
     bench.add_argument("--output-len", type=int, default=16)
-    bench.add_argument("--backend", choices=["braid", "hf"], default="braid",
-                       help="hf: the same workload through Hugging Face transformers")
+    bench.add_argument("--backend", choices=["braid", "hf", "llama.cpp"], default="braid",
+                       help="hf: the same workload through Hugging Face transformers; "
+                            "llama.cpp: through llama.cpp on the same GGUF file (needs "
+                            "`make bench-deps`)")
     bench.add_argument("--result-file", default=None, help="append one JSONL row here")
     bench.add_argument("--warmup", type=int, default=1, help="untimed runs first")
     bench.add_argument("--measure-exposed", action="store_true",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -107,7 +108,13 @@ BENCH_KEYS = {"backend", "model", "tp", "dtype", "batch_size", "input_len", "out
               "median_decode_throughput", "total_latency", "overall_throughput"}
 
 
-@pytest.mark.parametrize("backend_args", [["--tp", "2"], ["--backend", "hf"]])
+needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                     reason="llama-cpp-python is optional: make bench-deps")
+
+
+@pytest.mark.parametrize("backend_args", [
+    ["--tp", "2"], ["--backend", "hf"],
+    pytest.param(["--backend", "llama.cpp"], marks=needs_llama_cpp)])
 def test_bench_one_batch_prints_sglang_lines_and_a_jsonl_row(backend_args, tmp_path: Path):
     result_file = tmp_path / "bench.jsonl"
     result = braid("bench-one-batch", "--batch-size", "2", "--input-len", "16",
@@ -122,6 +129,18 @@ def test_bench_one_batch_prints_sglang_lines_and_a_jsonl_row(backend_args, tmp_p
     assert BENCH_KEYS <= set(row)
     assert row["batch_size"] == 2 and row["input_len"] == 16 and row["output_len"] == 4
     assert row["prefill_throughput"] > 0 and row["median_decode_throughput"] > 0
+
+
+def test_bench_one_batch_says_how_to_get_llama_cpp(monkeypatch):
+    from braid.bench import llama_cpp
+    from braid.cli import build_parser
+    from braid.config import UserError
+
+    monkeypatch.setattr(llama_cpp.importlib.util, "find_spec", lambda name: None)
+    args = build_parser().parse_args(["bench-one-batch", "--backend", "llama.cpp",
+                                      "--model", __file__])
+    with pytest.raises(UserError, match="needs llama-cpp-python: run `make bench-deps`"):
+        llama_cpp.LlamaCppWorkload(args, 1, 32)
 
 
 def test_torchrun_launch_matches_spawned_ranks():

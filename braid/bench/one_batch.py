@@ -3,7 +3,8 @@
 A batch of `batch_size` random prompts of `input_len` tokens is prefilled in one step, then
 decoded greedily for `output_len - 1` steps. `--backend hf` runs the same workload through
 Hugging Face transformers (dense weights, its KV cache, logits of the last token only) in a
-process set up like braid's ranks, so ratios can be taken side by side. The overlap modes
+process set up like braid's ranks, so ratios can be taken side by side; `--backend llama.cpp`
+through llama.cpp on the same GGUF file (`braid.bench.llama_cpp`). The overlap modes
 (`--measure-exposed`, `--overlap-sweep`) live in `braid.bench.overlap`.
 """
 
@@ -221,7 +222,9 @@ def fastest_by_mode(workload: BraidWorkload, prompts: np.ndarray, output_len: in
 
 def base_row(args: argparse.Namespace, **fields) -> dict:
     """The JSONL fields that describe a run's configuration."""
-    row = {"backend": args.backend, "model": args.model, "tp": args.tp, "dtype": args.dtype,
+    # llama.cpp computes with the file's own weight types
+    dtype = "gguf" if args.backend == "llama.cpp" else args.dtype
+    row = {"backend": args.backend, "model": args.model, "tp": args.tp, "dtype": dtype,
            "comm": args.comm, "overlap": args.overlap, "dp_linear": args.dp_linear,
            "skip_comm": args.skip_comm, "quantization": args.quantization,
            "batch_size": args.batch_size, "input_len": args.input_len,
@@ -251,10 +254,10 @@ def append_rows(path: str | None, rows: list[dict]) -> None:
 def run_bench_one_batch(args: argparse.Namespace) -> list[dict]:
     """Run the benchmark as the CLI flags say; print SGLang's lines; append JSONL rows."""
     config = prepare(args)
-    if args.backend == "hf" and (args.overlap_sweep or args.measure_exposed
-                                 or args.compare_dp_linear):
+    if args.backend != "braid" and (args.overlap_sweep or args.measure_exposed
+                                    or args.compare_dp_linear):
         raise UserError("--overlap-sweep, --measure-exposed and --compare-dp-linear measure "
-                        "braid; drop --backend hf")
+                        f"braid; drop --backend {args.backend}")
     if args.overlap_sweep:
         from braid.bench.overlap import run_overlap_sweep
 
@@ -262,6 +265,10 @@ def run_bench_one_batch(args: argparse.Namespace) -> list[dict]:
     prompts = random_prompts(args.batch_size, args.input_len, config.vocab_size)
     if args.backend == "hf":
         workload = HFWorkload(args)
+    elif args.backend == "llama.cpp":
+        from braid.bench.llama_cpp import LlamaCppWorkload
+
+        workload = LlamaCppWorkload(args, args.batch_size, args.input_len + args.output_len)
     else:
         workload = BraidWorkload(args, args.batch_size, args.input_len, args.output_len)
     try:
