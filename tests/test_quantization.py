@@ -15,6 +15,7 @@ from braid.distributed.comm import SkipCommunicator
 from braid.engine.core import EngineCore
 from braid.engine.model_runner import ModelRunner
 from braid.engine.request import Request, SamplingParams
+from braid.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from braid.layers.linear import RowParallelLinear
 from braid.layers.quant import (
     INT8_MAX_ROWS,
@@ -66,6 +67,23 @@ def test_packed_weights_give_the_row_major_gemm_bit_for_bit(rows):
     assert torch.equal(layer(x.view(1, rows, 96)), expected.view(1, rows, 80))
 
 
+@needs_packing
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_packed_lm_head_gives_row_major_logits_bit_for_bit(tied):
+    embedding = VocabParallelEmbedding(300, 64, SkipCommunicator(0, 1), dtype=torch.bfloat16)
+    embedding.weight.data.normal_(generator=torch.Generator().manual_seed(2))
+    head = ParallelLMHead(embedding, tied)
+    if not tied:
+        head.weight.data.copy_(embedding.weight.data.flip(0))
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    expected = F.linear(hidden, head.quantizable_weight())
+    pack_linear_layers(head)
+    assert head.packed is not None and head.weight is None  # an untied head frees its rows
+    logits = head(hidden)
+    assert logits.is_contiguous() and torch.equal(logits, expected)
+    assert embedding.weight is not None  # the embedding still looks its rows up
+
+
 def test_fp32_weights_stay_row_major():
     layer = RowParallelLinear(16, 8, SkipCommunicator(0, 1))
     pack_linear_layers(layer)
@@ -88,6 +106,8 @@ def test_packed_weights_decode_exactly_as_row_major(bf16_runners, prompt_ids):
     same logprobs (prefill GEMMs of many rows, decode GEMMs of one)."""
     packed = bf16_runners["none"].model.model.layers[0].mlp.down_proj
     assert packed.weight is None and packed.packed is not None
+    head = bf16_runners["none"].model.lm_head  # tied: a packed copy, the embedding keeps its rows
+    assert head.packed is not None and head.quantizable_weight() is not None
     for ids in prompt_ids:
         assert greedy(bf16_runners["none"], ids) == greedy(bf16_runners["row-major"], ids)
 

@@ -55,7 +55,7 @@ class Quantizable:
     int8: Int8Weight | None = None
     packed: torch.Tensor | None = None  # oneDNN's blocked copy; the row-major weight is dropped
     # False where other code reads the weight as a matrix (MLA's kv_b_proj), or where the
-    # row-major weight is the faster GEMM operand (the LM head)
+    # row-major weight is the faster GEMM operand (the LM head under tensor parallelism)
     packable = True
 
     def quantizable_weight(self) -> torch.Tensor:
@@ -114,11 +114,14 @@ def packing_supported(weight: torch.Tensor) -> bool:
 
 def pack_linear_layers(model: nn.Module) -> None:
     """Replace the bf16 weight of every packable linear layer by oneDNN's blocked copy (the
-    row-major weight is freed: memory does not grow). Other dtypes and devices stay as they are.
+    row-major weight is freed: memory does not grow, except by the copy of a tied LM head's
+    weight at tp 1). Other dtypes and devices stay as they are.
     Runs after `quantize_linear_layers`, which reads the row-major weights."""
     for layer in model.modules():
         if (isinstance(layer, Quantizable) and layer.packable
                 and packing_supported(layer.quantizable_weight())):
-            layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(),
+            weight = layer.quantizable_weight()
+            layer.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
                                                                   PACK_HINT_ROWS)
-            layer.weight = None
+            if layer.weight is weight:  # not a tied LM head's (the embedding reads that one)
+                layer.weight = None
