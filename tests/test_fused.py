@@ -45,6 +45,17 @@ def test_compiled_kernels_equal_eager(kernels, dtype):
                                    atol=tolerance, rtol=tolerance)
 
 
+def test_the_compiled_pair_sum_has_the_eager_bits(kernels):
+    """Ranks sum block partials with it; compiled or not, the bits must not change."""
+    fused.configure_compile("on")
+    gen = torch.Generator().manual_seed(2)
+    for rows in (fused._MIN_ROWS["add_pair"], 1500):
+        a, b, residual = (torch.randn(rows, 576, generator=gen).bfloat16() for _ in range(3))
+        assert kernels.pick("add_pair", rows) is kernels.compiled["add_pair"]
+        assert torch.equal(fused.add_pair(a, b, residual), fused._add_pair(a, b, residual))
+    assert kernels.pick("add_pair", fused._MIN_ROWS["add_pair"] - 1) is fused._add_pair
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_one_pass_eager_rms_norm_equals_the_formula(dtype):
     gen = torch.Generator().manual_seed(1)

@@ -47,6 +47,7 @@ import torch
 
 from braid.config import SHM_NEEDS_TSO, UserError, host_has_total_store_order
 from braid.distributed.comm import Communicator, Handle
+from braid.layers.fused import add_pair
 from braid.overlap.trace import tracer
 
 SHM_DIR_ENV = "BRAID_SHM_DIR"  # where segments go when not /dev/shm (another tmpfs)
@@ -403,6 +404,8 @@ def _sum(parts: list[torch.Tensor], residual: torch.Tensor | None = None) -> tor
         for part in parts[1:]:
             acc.add_(part)
         out = acc.to(parts[0].dtype)
+    elif len(parts) == 2 and residual is not None:
+        return add_pair(parts[0], parts[1], residual)
     else:
         out = torch.add(parts[0], parts[1])
         for part in parts[2:]:
