@@ -73,3 +73,24 @@ def test_decode_attention_matches_the_reference(heads, decode):
     for b, length in enumerate(lengths):
         close(out[b:b + 1], reference(q[b:b + 1], keys[b, :length], values[b, :length],
                                       length - 1, 0.3))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "tp"), [(9, 3, 2), (32, 8, 3)])
+def test_decode_of_unequal_groups_in_one_padded_call_equals_a_call_per_run(heads, kv_heads, tp):
+    """A rank whose KV heads serve unequal query groups (an uneven split) decodes in one
+    call; each real head's output equals the call per uniformly grouped run."""
+    from braid.layers.attention import PagedAttention
+    from braid.layers.partition import partition_heads
+
+    gen = torch.Generator().manual_seed(tp)
+    for shard in partition_heads(heads, kv_heads, tp):
+        attn = PagedAttention(shard.q_count, shard.kv_count, 16, shard.runs())
+        if len(shard.runs()) == 1:
+            assert attn.decode_padded is None
+            continue
+        q = torch.randn(4, shard.q_count, 16, generator=gen)
+        keys = torch.randn(4, 40, shard.kv_count, 16, generator=gen)
+        values = torch.randn(4, 40, shard.kv_count, 16, generator=gen)
+        key_mask = (torch.arange(40) < torch.tensor([40, 33, 17, 1])[:, None])[:, None, None]
+        per_run = attn._by_runs(decode_attention, q, keys, values, key_mask, attn.scale)
+        torch.testing.assert_close(attn._decode(q, keys, values, key_mask), per_run)
