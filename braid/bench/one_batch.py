@@ -16,7 +16,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -139,15 +138,9 @@ class HFWorkload:
 
 def hf_worker(rank: int, world_size: int, conn, model: str, dtype: str) -> None:
     """Rank entry point for `HFWorkload`: load the model, then time each requested run."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    from braid.loader.transformers_model import load_transformers_model
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    path = Path(model)
-    kwargs = {"gguf_file": path.name} if path.is_file() else {}
-    folder = str(path.parent) if path.is_file() else str(path)
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype], **kwargs).eval()
+    hf_model = load_transformers_model(model, DTYPES[dtype])
     conn.send(("ok", "ready"))
     while True:
         kind, request = conn.recv()

@@ -149,15 +149,12 @@ def score_hf(questions: list[Question], model: str, dtype: str) -> EvalResult:
     import copy
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     from braid.config import DTYPES
     from braid.engine.tokenizer import load_tokenizer
+    from braid.loader.transformers_model import load_transformers_model
 
-    path = Path(model)
-    kwargs = {"gguf_file": path.name} if path.is_file() else {}
-    folder = str(path.parent) if path.is_file() else str(path)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype], **kwargs).eval()
+    hf = load_transformers_model(model, DTYPES[dtype])
     tokenizer = load_tokenizer(model)
     letters = letter_token_ids(tokenizer)
     prompts = [list(tokenizer(q.prompt)["input_ids"]) for q in questions]
