@@ -11,8 +11,8 @@ output channel (`scale = max |w| / 127`), quantised from this rank's shard. A GE
 (decode at small batch) reads the int8 copy through `aten._weight_int8pack_mm`, half the bytes
 of bf16; larger GEMMs keep the dense weight, where that kernel is several times slower
 (measured with bf16 activations on AVX-512: 3x faster at 1 row, even at 8, 3.3x slower at 32,
-against the row-major weight). The kernel is vectorised for
-16-bit activations only, so fp32 models keep the dense path (a warning says so).
+against the row-major weight). The kernel is vectorised for 16-bit activations only, so fp32
+models keep the dense path (a warning says so).
 """
 
 from __future__ import annotations
