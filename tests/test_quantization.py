@@ -45,13 +45,19 @@ def test_per_channel_int8_weights_and_the_kernel():
     assert torch.equal(linear(big, weight, None, int8), F.linear(big, weight))  # dense path
 
 
+def same_gemm(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """A packed GEMM against the row-major one: bit-identical on the AMX host measured; another
+    CPU's oneDNN may order the sums differently, so within one bf16 rounding."""
+    torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2 ** -7)
+
+
 needs_packing = pytest.mark.skipif(not packing_supported(torch.ones(1, dtype=torch.bfloat16)),
                                    reason="this CPU's oneDNN does not compute bf16")
 
 
 @needs_packing
 @pytest.mark.parametrize("rows", [1, 7, 256, 300])
-def test_packed_weights_give_the_row_major_gemm_bit_for_bit(rows):
+def test_packed_weights_give_the_row_major_gemm(rows):
     gen = torch.Generator().manual_seed(rows)
     layer = RowParallelLinear(96, 80, SkipCommunicator(0, 1), reduce=False, bias=True,
                               dtype=torch.bfloat16)
@@ -61,15 +67,16 @@ def test_packed_weights_give_the_row_major_gemm_bit_for_bit(rows):
     expected = F.linear(x, layer.weight, layer.bias)
     pack_linear_layers(layer)
     assert layer.weight is None and layer.packed is not None  # replaced, not doubled
-    assert torch.equal(layer(x), expected)
+    same_gemm(layer(x), expected)
     out = torch.empty(rows, 80, dtype=torch.bfloat16)
-    assert layer(x, out) is out and torch.equal(out, expected)  # a shm slot as `out`
-    assert torch.equal(layer(x.view(1, rows, 96)), expected.view(1, rows, 80))
+    assert layer(x, out) is out  # a shm slot as `out`
+    same_gemm(out, expected)
+    same_gemm(layer(x.view(1, rows, 96)), expected.view(1, rows, 80))
 
 
 @needs_packing
 @pytest.mark.parametrize("tied", [False, True])
-def test_a_packed_lm_head_gives_row_major_logits_bit_for_bit(tied):
+def test_a_packed_lm_head_gives_row_major_logits(tied):
     embedding = VocabParallelEmbedding(300, 64, SkipCommunicator(0, 1), dtype=torch.bfloat16)
     embedding.weight.data.normal_(generator=torch.Generator().manual_seed(2))
     head = ParallelLMHead(embedding, tied)
@@ -80,7 +87,8 @@ def test_a_packed_lm_head_gives_row_major_logits_bit_for_bit(tied):
     pack_linear_layers(head)
     assert head.packed is not None and head.weight is None  # an untied head frees its rows
     logits = head(hidden)
-    assert logits.is_contiguous() and torch.equal(logits, expected)
+    assert logits.is_contiguous()
+    same_gemm(logits, expected)
     assert embedding.weight is not None  # the embedding still looks its rows up
 
 
@@ -101,15 +109,19 @@ def bf16_runners(model_path):
 
 
 @needs_packing
-def test_packed_weights_decode_exactly_as_row_major(bf16_runners, prompt_ids):
+def test_packed_weights_decode_as_row_major(bf16_runners, prompt_ids):
     """The whole model: packed (the default) and row-major give the same greedy tokens with the
-    same logprobs (prefill GEMMs of many rows, decode GEMMs of one)."""
+    same logprobs (prefill GEMMs of many rows, decode GEMMs of one; equal bits on the AMX host,
+    within bf16 rounding elsewhere)."""
     packed = bf16_runners["none"].model.model.layers[0].mlp.down_proj
     assert packed.weight is None and packed.packed is not None
     head = bf16_runners["none"].model.lm_head  # tied: a packed copy, the embedding keeps its rows
     assert head.packed is not None and head.quantizable_weight() is not None
     for ids in prompt_ids:
-        assert greedy(bf16_runners["none"], ids) == greedy(bf16_runners["row-major"], ids)
+        packed_tokens, packed_logprobs = greedy(bf16_runners["none"], ids)
+        tokens, logprobs = greedy(bf16_runners["row-major"], ids)
+        assert packed_tokens == tokens
+        assert max(abs(a - b) for a, b in zip(packed_logprobs, logprobs)) < 0.05
 
 
 def greedy(runner, ids: list[int]) -> tuple[list[int], list[float]]:
