@@ -4,8 +4,8 @@ file (its own weight types, e.g. the embedded model's Q4_1), the comparison CPU 
 llama-cpp-python compiles llama.cpp, so it is an optional dependency: `make bench-deps`. Its
 low-level API runs the batch as braid does: every prompt is a sequence of one llama.cpp batch
 (one `llama_decode` prefills them all, logits of each last token only), then one decode call
-per step with one token per sequence, greedy. It runs in a rank process started like braid's
-(same core pinning), with one llama.cpp thread per usable core.
+per step with one token per sequence, greedy. It runs as a `RankWorkload`, with one llama.cpp
+thread per usable core.
 """
 
 from __future__ import annotations
@@ -17,43 +17,29 @@ from pathlib import Path
 
 import numpy as np
 
-from braid.bench.one_batch import BenchResult, time_steps
+from braid.bench.one_batch import BenchResult, RankWorkload, serve_runs, time_steps
 from braid.config import UserError, usable_cores
-from braid.distributed.launch import RankGroup
 
 
-class LlamaCppWorkload:
+class LlamaCppWorkload(RankWorkload):
     """Batches of up to `max_batch` prompts of up to `max_tokens` tokens (prompt and output)."""
 
     def __init__(self, args: argparse.Namespace, max_batch: int, max_tokens: int) -> None:
-        if args.tp != 1:
-            raise UserError("--backend llama.cpp runs one process; use it with --tp 1")
         if not Path(args.model).is_file():
             raise UserError(f"--backend llama.cpp reads a GGUF file; {args.model} is not one")
         if importlib.util.find_spec("llama_cpp") is None:
             raise UserError("--backend llama.cpp needs llama-cpp-python: run `make bench-deps` "
                             "(it compiles llama.cpp, several minutes)")
-        self.group = RankGroup(1, llama_cpp_worker, (args.model, max_batch, max_tokens))
-        self.group.gather()
-
-    def run(self, prompts: np.ndarray, output_len: int) -> BenchResult:
-        return self.group.request(("run", (prompts, output_len)))
-
-    def close(self) -> None:
-        self.group.close()
+        super().__init__("llama.cpp", args.tp, llama_cpp_worker,
+                         (args.model, max_batch, max_tokens))
 
 
 def llama_cpp_worker(rank: int, world_size: int, conn, model: str, max_batch: int,
                      max_tokens: int) -> None:
     """Rank entry point for `LlamaCppWorkload`: load the model, then time each requested run."""
     runner = _LlamaCpp(model, max_batch, max_tokens)
-    conn.send(("ok", "ready"))
     try:
-        while True:
-            kind, request = conn.recv()
-            if kind == "stop":
-                return
-            conn.send(("ok", runner.time(*request)))
+        serve_runs(conn, runner.time)
     finally:
         runner.close()
 

@@ -116,17 +116,15 @@ class BraidWorkload:
         self.llm.close()
 
 
-class HFWorkload:
-    """Batches through Hugging Face transformers' dense model and its own KV cache.
+class RankWorkload:
+    """Another engine's batches, timed in one rank process started like braid's (same core
+    pinning, all cores' threads, same allocator settings), so the comparison differs only in
+    the engine. `worker(rank, world_size, conn, *args)` loads it, then `serve_runs`."""
 
-    It runs in one rank process started like braid's (same core pinning, all cores' threads,
-    same allocator settings), so the comparison differs only in the engine.
-    """
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        if args.tp != 1:
-            raise UserError("--backend hf runs one process; use it with --tp 1")
-        self.group = RankGroup(1, hf_worker, (args.model, args.dtype))
+    def __init__(self, backend: str, tp: int, worker: Callable, args: tuple) -> None:
+        if tp != 1:
+            raise UserError(f"--backend {backend} runs one process; use it with --tp 1")
+        self.group = RankGroup(1, worker, args)
         self.group.gather()
 
     def run(self, prompts: np.ndarray, output_len: int) -> BenchResult:
@@ -136,18 +134,30 @@ class HFWorkload:
         self.group.close()
 
 
-def hf_worker(rank: int, world_size: int, conn, model: str, dtype: str) -> None:
-    """Rank entry point for `HFWorkload`: load the model, then time each requested run."""
-    from braid.loader.transformers_model import load_transformers_model
-
-    hf_model = load_transformers_model(model, DTYPES[dtype])
+def serve_runs(conn, time_run: Callable[[np.ndarray, int], BenchResult]) -> None:
+    """A `RankWorkload` worker's loop once loaded: say ready, then time each requested run."""
     conn.send(("ok", "ready"))
     while True:
         kind, request = conn.recv()
         if kind == "stop":
             return
-        prompts, output_len = request
-        conn.send(("ok", _time_hf(hf_model, torch.from_numpy(prompts), output_len)))
+        conn.send(("ok", time_run(*request)))
+
+
+class HFWorkload(RankWorkload):
+    """Batches through Hugging Face transformers' dense model and its own KV cache."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__("hf", args.tp, hf_worker, (args.model, args.dtype))
+
+
+def hf_worker(rank: int, world_size: int, conn, model: str, dtype: str) -> None:
+    """Rank entry point for `HFWorkload`: load the model, then time each requested run."""
+    from braid.loader.transformers_model import load_transformers_model
+
+    hf_model = load_transformers_model(model, DTYPES[dtype])
+    serve_runs(conn, lambda prompts, output_len: _time_hf(
+        hf_model, torch.from_numpy(prompts), output_len))
 
 
 @torch.inference_mode()

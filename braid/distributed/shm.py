@@ -397,6 +397,8 @@ def _sum(parts: list[torch.Tensor], residual: torch.Tensor | None = None) -> tor
     Two 16-bit parts add in one pass (the kernel adds in fp32 and rounds once, as an fp32 sum
     would); more accumulate in fp32. Every rank runs the same order, so all get the same bits.
     """
+    if len(parts) == 2 and residual is not None:  # tp 2's block sums (compiled for many rows)
+        return add_pair(parts[0], parts[1], residual)
     if len(parts) == 1:
         out = parts[0].clone()
     elif len(parts) > 2 and parts[0].dtype in (torch.float16, torch.bfloat16):
@@ -404,8 +406,6 @@ def _sum(parts: list[torch.Tensor], residual: torch.Tensor | None = None) -> tor
         for part in parts[1:]:
             acc.add_(part)
         out = acc.to(parts[0].dtype)
-    elif len(parts) == 2 and residual is not None:
-        return add_pair(parts[0], parts[1], residual)
     else:
         out = torch.add(parts[0], parts[1])
         for part in parts[2:]:

@@ -118,9 +118,10 @@ def pack_linear_layers(model: nn.Module) -> None:
     weight at tp 1). Other dtypes and devices stay as they are.
     Runs after `quantize_linear_layers`, which reads the row-major weights."""
     for layer in model.modules():
-        if (isinstance(layer, Quantizable) and layer.packable
-                and packing_supported(layer.quantizable_weight())):
-            weight = layer.quantizable_weight()
+        if not isinstance(layer, Quantizable) or not layer.packable:
+            continue
+        weight = layer.quantizable_weight()
+        if packing_supported(weight):
             layer.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
                                                                   PACK_HINT_ROWS)
             if layer.weight is weight:  # not a tied LM head's (the embedding reads that one)
