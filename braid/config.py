@@ -16,7 +16,8 @@ DTYPE_CHOICES = ["auto", *DTYPES]
 COMM_CHOICES = ["auto", "shm", "torch"]
 # Per-step optimisations (--overlap, --dp-linear): always, never, or from a token count.
 SWITCH_CHOICES = ["auto", "on", "off"]
-# --compile: torch.compile of the per-rank elementwise work (see braid.layers.fused).
+# --compile: torch.compile of the per-rank elementwise work (see braid.layers.fused) and, with
+# `on`, of the decode step (braid.engine.compiled_step).
 COMPILE_CHOICES = ["auto", "on", "off"]
 # `--dp-linear auto` from this many tokens per step. Measured (bench-dp-linear, the bench
 # preset's 2048 -> 2112 projection at tp 2): on the 2-core CPU host the token split already pays
@@ -236,7 +237,9 @@ class EngineConfig:
     cache: bool = True  # braid's cache of derived checkpoint files (--no-cache: off)
     quantization: str = "none"  # "int8": int8 weight copies for GEMMs of few rows
     weight_packing: bool = True  # oneDNN-blocked bf16 linear weights on CPU (braid.layers.quant)
-    compile: str = "auto"  # torch.compile of the elementwise work: auto (CPU, lazily), on, off
+    # torch.compile of the elementwise work: auto (CPU, lazily), on (at start, and the decode
+    # step at tp 1 on CPU: braid.engine.compiled_step), off
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":

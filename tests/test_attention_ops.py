@@ -79,7 +79,7 @@ def test_decode_attention_matches_the_reference(heads, decode):
 def test_decode_of_unequal_groups_in_one_padded_call_equals_a_call_per_run(heads, kv_heads, tp):
     """A rank whose KV heads serve unequal query groups (an uneven split) decodes in one
     call; each real head's output equals the call per uniformly grouped run."""
-    from braid.layers.attention import PagedAttention
+    from braid.layers.attention import PagedAttention, padded_decode_attention
     from braid.layers.partition import partition_heads
 
     gen = torch.Generator().manual_seed(tp)
@@ -93,4 +93,6 @@ def test_decode_of_unequal_groups_in_one_padded_call_equals_a_call_per_run(heads
         values = torch.randn(4, 40, shard.kv_count, 16, generator=gen)
         key_mask = (torch.arange(40) < torch.tensor([40, 33, 17, 1])[:, None])[:, None, None]
         per_run = attn._by_runs(decode_attention, q, keys, values, key_mask, attn.scale)
-        torch.testing.assert_close(attn._decode(q, keys, values, key_mask), per_run)
+        padded = padded_decode_attention(q, keys, values, key_mask, attn.scale,
+                                         attn.decode_padded, attn.decode_kept)
+        torch.testing.assert_close(padded, per_run)

@@ -87,16 +87,22 @@ def test_a_failing_compiler_warns_and_stays_eager(kernels, monkeypatch):
     assert kernels.pick("rotate", 4096) is fused._rotate
 
 
-def test_a_compiled_model_answers_as_the_eager_one(model_path):
-    """300 prompt tokens take the compiled path; logits and greedy tokens match eager."""
+def test_a_compiled_model_answers_as_the_eager_one(model_path, capfd):
+    """300 prompt tokens take the compiled kernels, and the decode steps the compiled step
+    (`--compile on`: one graph for one sequence, one for several); logits and greedy tokens
+    match eager (fp32, where both compute the same sums)."""
     from braid import LLM, SamplingParams
 
     prompt = [list(range(500, 800))]
+    several = [list(range(600 + 7 * i, 640 + 13 * i)) for i in range(3)]
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     results = {}
     for mode in ("off", "on"):
         with LLM(model_path, dtype="fp32", compile=mode) as llm:
             results[mode] = (llm.prompt_logits(prompt)[0],
-                             llm.generate([prompt[0]], params)[0].token_ids)
+                             llm.generate([prompt[0]], params)[0].token_ids,
+                             [out.token_ids for out in llm.generate(several, params)])
+    assert "decode step compiled" in capfd.readouterr().err
     assert results["on"][1] == results["off"][1]
+    assert results["on"][2] == results["off"][2]
     assert (results["on"][0] - results["off"][0]).abs().max() < 1e-3

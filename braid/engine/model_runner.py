@@ -9,6 +9,7 @@ import torch
 from braid.config import EngineConfig, ModelConfig
 from braid.distributed.comm import SwitchableCommunicator
 from braid.engine.batch import ForwardBatch, StepPlan, StepResult
+from braid.engine.compiled_step import CompiledDecodeStep, step_compile_applies, warm_up_plans
 from braid.engine.kv_cache import num_kv_blocks
 from braid.engine.sampler import postprocess
 from braid.layers.fused import configure_compile
@@ -67,11 +68,32 @@ class ModelRunner:
         if engine.quantization == "int8":
             quantize_linear_layers(self.model)
         self.model.to(self.device).eval()
-        if engine.weight_packing:
+        compile_step = step_compile_applies(engine.compile, engine.device, comm.world_size,
+                                            self.model)
+        # A compiled step packs its own copies of the weights (inductor's freezing reads
+        # row-major ones), so the model keeps them row-major.
+        if engine.weight_packing and not compile_step:
             pack_linear_layers(self.model)
         configure_compile(engine.compile, engine.device, announce=comm.rank == 0)
         self.operations = self.model.operations()
         self._allocate_kv_cache()
+        self.compiled_step = None
+        if compile_step:
+            self.compiled_step = CompiledDecodeStep(self.model, self.operations,
+                                                    announce=comm.rank == 0)
+            self._warm_up_compiled_step()
+
+    @torch.inference_mode()
+    def _warm_up_compiled_step(self) -> None:
+        """Compile the decode step on dummy steps that write only block 0 (never handed out),
+        zeroed again after."""
+        plans = warm_up_plans(self.engine.block_size, self.engine.quantization == "int8")
+        if not self.compiled_step.warm_up([ForwardBatch(plan, self.engine.block_size,
+                                                        self.device) for plan in plans]):
+            self.compiled_step = None
+        for attn in self.model.attention_layers():
+            attn.k_cache[0].zero_()
+            attn.v_cache[0].zero_()
 
     def _allocate_kv_cache(self) -> None:
         num_blocks = num_kv_blocks(self.engine.max_total_tokens, self.engine.block_size)
@@ -96,7 +118,10 @@ class ModelRunner:
         parts = (split_step(plan, self.engine.tbo_token_distribution_threshold)
                  if plan.overlap else None)
         if parts is None:
-            return execute(self.operations, ForwardBatch(plan, block_size, self.device))["logits"]
+            batch = ForwardBatch(plan, block_size, self.device)
+            if self.compiled_step is not None and self.compiled_step.handles(batch):
+                return self.compiled_step(batch)
+            return execute(self.operations, batch)["logits"]
         out_a, out_b = execute_overlapped(self.operations,
                                           ForwardBatch(parts.a, block_size, self.device),
                                           ForwardBatch(parts.b, block_size, self.device))

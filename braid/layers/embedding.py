@@ -71,9 +71,15 @@ class ParallelLMHead(nn.Module, Quantizable):
         return self.tied_embedding[0].weight if self.tied_embedding else self.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None or int8_applies(hidden, self.int8):  # [tokens, vocab]
-            local = linear(hidden, self.quantizable_weight(), int8=self.int8,
-                           packed=self.packed).t()
+        # A compiled step (braid.engine.compiled_step) takes the linear form too: inductor
+        # packs a linear's weight, not a plain product's.
+        if (self.packed is not None or int8_applies(hidden, self.int8)
+                or torch.compiler.is_compiling()):
+            rows = linear(hidden, self.quantizable_weight(), int8=self.int8,
+                          packed=self.packed)  # [tokens, vocab]
+            if self.comm.world_size == 1:
+                return rows
+            local = rows.t()
         else:
             # weight @ hidden^T, i.e. [vocab, tokens]: for the few rows of a decode step MKL
             # runs this orientation about 1.5x faster than F.linear; it is the gather's layout.

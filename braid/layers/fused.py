@@ -93,6 +93,8 @@ class _Kernels:
             self._compile()
 
     def pick(self, name: str, rows: int) -> Callable:
+        if torch.compiler.is_compiling():  # inside a compiled step: the fusable formula
+            return _TO_COMPILE[name]
         if (self.mode == "off" or self.failed
                 or rows < _MIN_ROWS.get(name, COMPILED_MIN_TOKENS)):
             return _EAGER[name]

@@ -104,7 +104,11 @@ class RotaryEmbedding(nn.Module):
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at `positions` ([tokens, 1, dim / 2]). Every layer shares this module
         and the step's positions tensor, so the lookup runs once per step (per micro-batch
-        under overlap: the last two are kept), not once per layer."""
+        under overlap: the last two are kept), not once per layer. A compiled step looks them
+        up in its graph (the cache would be a guard on the tensor's identity)."""
+        if torch.compiler.is_compiling():
+            return (self.cos.index_select(0, positions).unsqueeze(1),
+                    self.sin.index_select(0, positions).unsqueeze(1))
         for seen, cos, sin in self._recent:
             if seen is positions:
                 return cos, sin

@@ -1,0 +1,50 @@
+"""When the decode step is compiled, and what a failing compiler leaves (the compiled step's
+answers against eager are checked in test_fused)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from braid.config import load_model_config
+from braid.distributed.comm import SkipCommunicator
+from braid.engine.batch import ForwardBatch
+from braid.engine.compiled_step import CompiledDecodeStep, step_compile_applies, warm_up_plans
+from braid.models.registry import model_class
+
+
+@pytest.fixture(scope="module")
+def tiny_model(model_path):
+    """SmolLM2's layers, unloaded (only the structure is read)."""
+    config = load_model_config(model_path)
+    return model_class(config)(config, SkipCommunicator(0, 1), torch.bfloat16)
+
+
+def test_the_step_compiles_with_compile_on_for_one_cpu_rank(tiny_model):
+    assert step_compile_applies("on", "cpu", 1, tiny_model)
+    assert not step_compile_applies("auto", "cpu", 1, tiny_model)
+    assert not step_compile_applies("off", "cpu", 1, tiny_model)
+    assert not step_compile_applies("on", "cuda", 1, tiny_model)
+    assert not step_compile_applies("on", "cpu", 2, tiny_model)  # collectives: not traceable
+
+
+def test_warm_up_plans_are_decode_steps_in_block_zero():
+    for quantized, sizes in ((False, [1, 2]), (True, [1, 2, 5])):
+        plans = warm_up_plans(16, quantized)
+        assert [p.num_tokens for p in plans] == sizes
+        for plan in plans:
+            batch = ForwardBatch(plan, 16, "cpu")
+            assert CompiledDecodeStep.handles(batch)
+            assert (plan.slot_mapping < 16).all() and (plan.block_tables == 0).all()
+
+
+def test_a_failing_compiler_warns_and_leaves_decode_eager(tiny_model):
+    step = CompiledDecodeStep(tiny_model, tiny_model.operations(), announce=False)
+
+    def broken(batch):
+        raise RuntimeError("no C++ compiler")
+
+    step._forward = broken
+    batches = [ForwardBatch(plan, 16, "cpu") for plan in warm_up_plans(16, False)]
+    with pytest.warns(UserWarning, match="compiling the decode step failed.*no C.. compiler"):
+        assert step.warm_up(batches) is False
