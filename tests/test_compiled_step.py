@@ -48,3 +48,17 @@ def test_a_failing_compiler_warns_and_leaves_decode_eager(tiny_model):
     batches = [ForwardBatch(plan, 16, "cpu") for plan in warm_up_plans(16, False)]
     with pytest.warns(UserWarning, match="compiling the decode step failed.*no C.. compiler"):
         assert step.warm_up(batches) is False
+
+
+def test_decode_block_tables_are_never_narrower_than_the_traced_width():
+    """A 3-token sequence's decode step is padded to DECODE_MIN_BLOCKS blocks (masked), so the
+    compiled graph's symbolic width serves it instead of compiling a graph for width 1."""
+    from braid.engine.batch import DECODE_MIN_BLOCKS
+
+    plan = warm_up_plans(16, False)[1]
+    plan.kv_lens[:] = 3
+    plan.block_tables = plan.block_tables[:, :1]
+    meta = ForwardBatch(plan, 16, "cpu").attn_groups[0].meta
+    assert meta.block_tables.shape == (2, DECODE_MIN_BLOCKS)
+    assert meta.key_mask.shape[-1] == DECODE_MIN_BLOCKS * 16
+    assert meta.key_mask.sum().item() == 2 * 3

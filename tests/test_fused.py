@@ -89,12 +89,13 @@ def test_a_failing_compiler_warns_and_stays_eager(kernels, monkeypatch):
 
 def test_a_compiled_model_answers_as_the_eager_one(model_path, capfd):
     """300 prompt tokens take the compiled kernels, and the decode steps the compiled step
-    (`--compile on`: one graph for one sequence, one for several); logits and greedy tokens
-    match eager (fp32, where both compute the same sums)."""
+    (`--compile on`: one graph for one sequence, one for several, a short prompt's padded
+    block table included); logits and greedy tokens match eager (fp32, where both compute the
+    same sums)."""
     from braid import LLM, SamplingParams
 
     prompt = [list(range(500, 800))]
-    several = [list(range(600 + 7 * i, 640 + 13 * i)) for i in range(3)]
+    several = [list(range(600 + 7 * i, 640 + 13 * i)) for i in range(3)] + [[5, 6, 7]]
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     results = {}
     for mode in ("off", "on"):

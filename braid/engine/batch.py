@@ -93,6 +93,9 @@ class StepResult:
     logits: torch.Tensor | None = None
 
 
+DECODE_MIN_BLOCKS = 2  # the narrowest decode block table (see build_attention_metadata)
+
+
 @dataclass
 class AttentionMetadata:
     """How one group of sequences attends (see `AttentionGroup` and `attention_ops`), built
@@ -136,8 +139,14 @@ def build_attention_metadata(q_lens: np.ndarray, kv_lens: np.ndarray, block_tabl
         q_lens=q_lens.tolist(), kv_lens=kv_lens.tolist())
     blocks = -(-kv_lens // block_size)  # blocks holding each sequence's keys
     if meta.decode:
-        width = int(blocks.max())
-        meta.block_tables = torch.from_numpy(block_tables[:, :width]).to(device)
+        # At least DECODE_MIN_BLOCKS wide (padded with block 0, masked): a compiled decode
+        # step's graph has a symbolic width traced from 2, and a width of 1 would compile
+        # another graph, a minute's stall, for every short prompt's first decode steps.
+        width = max(int(blocks.max()), DECODE_MIN_BLOCKS)
+        tables = block_tables[:, :width]
+        if tables.shape[1] < width:
+            tables = np.pad(tables, ((0, 0), (0, width - tables.shape[1])))
+        meta.block_tables = torch.from_numpy(tables).to(device)
         key_mask = np.arange(width * block_size)[None, :] < kv_lens[:, None]
         meta.key_mask = torch.from_numpy(key_mask[:, None, None, :]).to(device)
     else:

@@ -18,7 +18,7 @@ eager, on the row-major weights the model then keeps.
 Shapes are dynamic (batch size and context width are symbols), so one graph serves every
 batch of two or more sequences and one serves a single sequence (inductor specialises size
 1); with int8 weights a third serves more than `INT8_MAX_ROWS`. All are compiled at start-up
-(46 s in bf16 on that host), announced.
+(46-111 s in bf16 on that host), announced.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 import torch._inductor.config
 from torch import nn
 
-from braid.engine.batch import ForwardBatch, StepPlan
+from braid.engine.batch import DECODE_MIN_BLOCKS, ForwardBatch, StepPlan
 from braid.layers.attention import PagedAttention
 from braid.layers.quant import INT8_MAX_ROWS, Quantizable
 from braid.overlap.operations import execute
@@ -89,7 +89,7 @@ class CompiledDecodeStep:
         failed, and then decode steps run eager."""
         if self.announce:
             print("braid: compiling the decode step (--compile on: torch.compile with "
-                  "freezing, about a minute)", file=sys.stderr, flush=True)
+                  "freezing, a minute or two)", file=sys.stderr, flush=True)
         start = time.perf_counter()
         try:
             for batch in batches:
@@ -108,7 +108,8 @@ class CompiledDecodeStep:
 def warm_up_plans(block_size: int, quantized: bool) -> list[StepPlan]:
     """Decode steps of each batch size class (one sequence; several; with int8 weights, more
     than `INT8_MAX_ROWS`, which read the dense weights), each attending to two blocks' worth
-    of keys and writing them into block 0 only."""
+    of keys (`DECODE_MIN_BLOCKS`: no decode step is narrower) and writing them into block 0
+    only."""
     plans = []
     for batch in (1, 2, INT8_MAX_ROWS + 1) if quantized else (1, 2):
         kv_len = block_size + 1
@@ -118,6 +119,6 @@ def warm_up_plans(block_size: int, quantized: bool) -> list[StepPlan]:
             slot_mapping=np.arange(batch, dtype=np.int64),
             q_lens=np.ones(batch, dtype=np.int64),
             kv_lens=np.full(batch, kv_len, dtype=np.int64),
-            block_tables=np.zeros((batch, 2), dtype=np.int64),
+            block_tables=np.zeros((batch, DECODE_MIN_BLOCKS), dtype=np.int64),
             logit_rows=np.arange(batch, dtype=np.int64)))
     return plans
