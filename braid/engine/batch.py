@@ -188,5 +188,9 @@ class ForwardBatch:
         self.slot_mapping = torch.from_numpy(plan.slot_mapping).to(device)
         self.attn_groups = build_attention_groups(plan, block_size, device)
         self.dp_linear = plan.dp_linear
-        self.logits_index = (None if plan.logit_rows is None
+        # None where every token is a logit row (the rows ascend, so as many as the tokens
+        # are all of them: every decode step): no index to apply, or to trace in a compiled
+        # step (where one made inductor's C++ for the int8 LM head name an undefined size).
+        every_row = plan.logit_rows is None or len(plan.logit_rows) == plan.num_tokens
+        self.logits_index = (None if every_row
                              else torch.from_numpy(plan.logit_rows).to(device))

@@ -72,15 +72,11 @@ class CompiledDecodeStep:
     @staticmethod
     def handles(batch: ForwardBatch) -> bool:
         """A decode step: one group of sequences, each with one new token, each a logit row
-        (the rows are ascending, so as many as the tokens means all of them)."""
+        (so the batch has no logits index)."""
         return (len(batch.attn_groups) == 1 and batch.attn_groups[0].meta.decode
-                and (batch.logits_index is None
-                     or batch.logits_index.shape[0] == batch.num_tokens))
+                and batch.logits_index is None)
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
-        # Every row is a logit row (`handles`): no index to trace (with one, inductor's C++
-        # for the int8 LM head named an undefined size symbol).
-        batch.logits_index = None
         with torch._inductor.config.patch(_INDUCTOR_CONFIG):  # in force if a shape recompiles
             return self._forward(batch)
 

@@ -107,15 +107,17 @@ class RotaryEmbedding(nn.Module):
         under overlap: the last two are kept), not once per layer. A compiled step looks them
         up in its graph (the cache would be a guard on the tensor's identity)."""
         if torch.compiler.is_compiling():
-            return (self.cos.index_select(0, positions).unsqueeze(1),
-                    self.sin.index_select(0, positions).unsqueeze(1))
+            return self._lookup(positions)
         for seen, cos, sin in self._recent:
             if seen is positions:
                 return cos, sin
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        cos, sin = self._lookup(positions)
         self._recent = [(positions, cos, sin), *self._recent[:1]]
         return cos, sin
+
+    def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.cos.index_select(0, positions).unsqueeze(1),
+                self.sin.index_select(0, positions).unsqueeze(1))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return rotate(x, cos, sin, self.interleaved)
