@@ -56,6 +56,26 @@ def test_the_compiled_pair_sum_has_the_eager_bits(kernels):
     assert kernels.pick("add_pair", fused._MIN_ROWS["add_pair"] - 1) is fused._add_pair
 
 
+def test_weights_a_frozen_graph_has_read_share_one_compiled_norm(kernels):
+    """Freezing (the compiled decode step) marks the parameters it reads as guarded
+    constants; the prompt steps' norms must still share one graph across layers."""
+    fused.configure_compile("on")
+    x = torch.randn(fused.COMPILED_MIN_TOKENS, 576).bfloat16()
+    weights = [torch.nn.Parameter(torch.randn(576).bfloat16(), requires_grad=False)
+               for _ in range(3)]
+    for weight in weights:
+        torch._dynamo.mark_static_address(weight, guard=True)  # what freezing leaves behind
+    frames = torch._dynamo.utils.counters["frames"]
+    with torch.inference_mode():
+        compiled = []
+        for weight in weights:
+            torch.testing.assert_close(fused.rms_norm(x, weight, 1e-5),
+                                       fused._rms_norm(x, weight, 1e-5), atol=2 ** -7,
+                                       rtol=2 ** -7)
+            compiled.append(frames["ok"])
+    assert compiled[0] == compiled[-1], "each layer's norm weight compiled its own graph"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_one_pass_eager_rms_norm_equals_the_formula(dtype):
     gen = torch.Generator().manual_seed(1)

@@ -145,6 +145,12 @@ def configure_compile(mode: str, device: str = "cpu", announce: bool = False) ->
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * x / rms(x)`, computed in fp32 and cast back (as Hugging Face Llama does)."""
+    if not torch.compiler.is_compiling():
+        # Once a frozen graph (the compiled decode step) has read a parameter, dynamo treats
+        # it as a constant: passed as itself, each layer's weight would compile a kernel of
+        # its own until the recompile limit (8), and the rest would run eager. A detached
+        # view is a plain tensor input.
+        weight = weight.detach()
     return _kernels.pick("rms_norm", x.shape[0])(x, weight, eps)
 
 
