@@ -9,7 +9,12 @@ import torch
 from braid.config import load_model_config
 from braid.distributed.comm import SkipCommunicator
 from braid.engine.batch import ForwardBatch
-from braid.engine.compiled_step import CompiledDecodeStep, step_compile_applies, warm_up_plans
+from braid.engine.compiled_step import (
+    WARM_UP_ROWS,
+    CompiledDecodeStep,
+    step_compile_applies,
+    warm_up_plans,
+)
 from braid.models.registry import model_class
 
 
@@ -29,13 +34,13 @@ def test_the_step_compiles_with_compile_on_for_one_cpu_rank(tiny_model):
 
 
 def test_warm_up_plans_are_decode_steps_in_block_zero():
-    for quantized, sizes in ((False, [1, 2]), (True, [1, 2, 5])):
-        plans = warm_up_plans(16, quantized)
-        assert [p.num_tokens for p in plans] == sizes
+    for block_size in (16, 4):
+        plans = warm_up_plans(block_size)
+        assert [p.num_tokens for p in plans] == [1, WARM_UP_ROWS]
         for plan in plans:
-            batch = ForwardBatch(plan, 16, "cpu")
+            batch = ForwardBatch(plan, block_size, "cpu")
             assert CompiledDecodeStep.handles(batch)
-            assert (plan.slot_mapping < 16).all() and (plan.block_tables == 0).all()
+            assert (plan.slot_mapping < block_size).all() and (plan.block_tables == 0).all()
 
 
 def test_a_failing_compiler_warns_and_leaves_decode_eager(tiny_model):
@@ -45,7 +50,7 @@ def test_a_failing_compiler_warns_and_leaves_decode_eager(tiny_model):
         raise RuntimeError("no C++ compiler")
 
     step._forward = broken
-    batches = [ForwardBatch(plan, 16, "cpu") for plan in warm_up_plans(16, False)]
+    batches = [ForwardBatch(plan, 16, "cpu") for plan in warm_up_plans(16)]
     with pytest.warns(UserWarning, match="compiling the decode step failed.*no C.. compiler"):
         assert step.warm_up(batches) is False
 
@@ -55,10 +60,10 @@ def test_decode_block_tables_are_never_narrower_than_the_traced_width():
     compiled graph's symbolic width serves it instead of compiling a graph for width 1."""
     from braid.engine.batch import DECODE_MIN_BLOCKS
 
-    plan = warm_up_plans(16, False)[1]
+    plan = warm_up_plans(16)[1]
     plan.kv_lens[:] = 3
     plan.block_tables = plan.block_tables[:, :1]
     meta = ForwardBatch(plan, 16, "cpu").attn_groups[0].meta
-    assert meta.block_tables.shape == (2, DECODE_MIN_BLOCKS)
+    assert meta.block_tables.shape == (WARM_UP_ROWS, DECODE_MIN_BLOCKS)
     assert meta.key_mask.shape[-1] == DECODE_MIN_BLOCKS * 16
-    assert meta.key_mask.sum().item() == 2 * 3
+    assert meta.key_mask.sum().item() == WARM_UP_ROWS * 3

@@ -43,6 +43,12 @@ def test_per_channel_int8_weights_and_the_kernel():
                                atol=0.05, rtol=0.02)
     big = torch.randn(INT8_MAX_ROWS + 1, 64, generator=gen).bfloat16()
     assert torch.equal(linear(big, weight, None, int8), F.linear(big, weight))  # dense path
+    # Traced into the compiled decode step, every row count reads the int8 weights (inductor's
+    # template for them beat the dense GEMM at 32 rows too).
+    traced = torch.compile(lambda rows: linear(rows, weight, None, int8), backend="eager")
+    torch.testing.assert_close(traced(big).float(), F.linear(big.float(), int8.dequantize()),
+                               atol=0.05, rtol=0.02)
+    assert not torch.equal(traced(big), F.linear(big, weight))
 
 
 def same_gemm(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -3,10 +3,12 @@
 A decode step of a small model is mostly dispatch: at batch 1 SmolLM2-135M runs about 1,500
 operators per token, and outside the weight GEMVs (15 ms, the memory floor) the eager step
 spends about 12 ms calling them. `torch.compile` of the whole operation list, with inductor's
-freezing (it packs the linear weights for oneDNN itself) and its C++ wrapper (the kernels are
-called from C++, not Python), fuses the elementwise work between GEMMs and drops the dispatch.
-Measured on the 2-core AVX-512 host, bf16, per step in process: batch 1 went from 27.5 to
-19.4 ms, batch 32 from 59 to 51 ms (against Hugging Face eager: 1.83x and 1.60x).
+freezing (weights become constants, laid out for their GEMMs once), its C++ wrapper (the
+kernels are called from C++, not Python) and max-autotune (each GEMM timed against
+inductor's C++ templates), fuses the elementwise work between GEMMs, drops the dispatch and
+reads int8 weights at bandwidth. Measured on the 2-core AVX-512 host, per step in process:
+bf16 batch 1 went from 27.5 to 15.0 ms and batch 32 from 59 to 46 ms; int8 batch 1 from 21.6
+to 11.6 ms and batch 32 to 43 ms.
 
 What stays out of the graph: the paged attention of two or more sequences, one opaque operator
 (`braid::paged_decode_attention`), because inductor's lowering of its gathers ran 8x slower
@@ -17,8 +19,8 @@ eager, on the row-major weights the model then keeps.
 
 Shapes are dynamic (batch size and context width are symbols), so one graph serves every
 batch of two or more sequences and one serves a single sequence (inductor specialises size
-1); with int8 weights a third serves more than `INT8_MAX_ROWS`. All are compiled at start-up
-(46-111 s in bf16 on that host), announced.
+1). Both are compiled at start-up, announced: 2.5-3 minutes on that host, under a minute when
+inductor's cache (`/tmp/torchinductor_$USER`) already holds them.
 """
 
 from __future__ import annotations
@@ -35,13 +37,22 @@ from torch import nn
 
 from braid.engine.batch import DECODE_MIN_BLOCKS, ForwardBatch, StepPlan
 from braid.layers.attention import PagedAttention
-from braid.layers.quant import INT8_MAX_ROWS, Quantizable
+from braid.layers.quant import Quantizable
 from braid.overlap.operations import execute
 
-# freezing: parameters become constants, so oneDNN's packed weights are made once, at compile
-# time; cpp_wrapper: the graph's kernels are called from generated C++. (Given as
-# `torch.compile(options=...)` they did not take effect: the step ran 33 ms instead of 20.)
-_INDUCTOR_CONFIG = {"freezing": True, "cpp_wrapper": True}
+# freezing: parameters become constants, so weights are laid out for their GEMM once, at
+# compile time; cpp_wrapper: the graph's kernels are called from generated C++; max_autotune:
+# each GEMM is timed against inductor's own C++ GEMM templates at warm-up, which won at decode
+# shapes (the 121 GEMMs of a SmolLM2 token, 2 cores, AVX-512: bf16 10.4 against 13.2 ms at
+# one row and 13.7 against 16.6 at 32; int8 weights 6.8 against 11.2 ms at one row, where the
+# template reads them at bandwidth and `_weight_int8pack_mm` does not). (Given as
+# `torch.compile(options=...)` the settings did not take effect: 33 ms per step instead of 20.)
+_INDUCTOR_CONFIG = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
+                    "max_autotune_gemm_backends": "CPP,ATEN"}
+# The rows the graph for two or more sequences is tuned at (the templates are timed at the
+# warm-up's size): a typical decode batch. Tuned at 2 rows, batch 32 ran 48 ms per step with
+# bf16 weights and 77 with int8, against 46 and 43 tuned at 16.
+WARM_UP_ROWS = 16
 
 
 def step_compile_applies(mode: str, device: str, world_size: int, model: nn.Module) -> bool:
@@ -65,6 +76,7 @@ class CompiledDecodeStep:
                 torch._dynamo.mark_static(layer.int8.scales)
         self.announce = announce
         self._forward = torch.compile(self._logits, dynamic=True)
+        self._warmed_up = False
 
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:
         return execute(self.operations, batch)["logits"]
@@ -78,7 +90,15 @@ class CompiledDecodeStep:
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         with torch._inductor.config.patch(_INDUCTOR_CONFIG):  # in force if a shape recompiles
-            return self._forward(batch)
+            if not self._warmed_up:
+                return self._forward(batch)
+            # After warm-up only the guards that tell the graphs apart are checked (one
+            # sequence or several): the model is fixed by then, and `handles` and the batch
+            # layout (`DECODE_MIN_BLOCKS`) keep every step within what was traced. The full
+            # guard check cost 0.6-0.8 ms of a 15 ms step at batch 1. (vLLM skips dynamo's
+            # guards entirely for the same reason.)
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self._forward(batch)
 
     def warm_up(self, batches: Sequence[ForwardBatch]) -> bool:
         """Compile now, on steps of each shape class; False (with a warning) if the compiler
@@ -90,6 +110,7 @@ class CompiledDecodeStep:
         try:
             for batch in batches:
                 self(batch)
+            self._warmed_up = True
         except Exception as e:  # noqa: BLE001 - any compiler failure means: run eager
             warnings.warn(f"--compile on: compiling the decode step failed "
                           f"({type(e).__name__}: {str(e)[:300]}); decode steps run eager",
@@ -101,18 +122,17 @@ class CompiledDecodeStep:
         return True
 
 
-def warm_up_plans(block_size: int, quantized: bool) -> list[StepPlan]:
-    """Decode steps of each batch size class (one sequence; several; with int8 weights, more
-    than `INT8_MAX_ROWS`, which read the dense weights), each attending to two blocks' worth
-    of keys (`DECODE_MIN_BLOCKS`: no decode step is narrower) and writing them into block 0
-    only."""
+def warm_up_plans(block_size: int) -> list[StepPlan]:
+    """Decode steps of each batch size class (one sequence; `WARM_UP_ROWS`, standing for
+    several), each attending to two blocks' worth of keys (`DECODE_MIN_BLOCKS`: no decode step
+    is narrower) and writing them into block 0 only (sequences may share a slot there)."""
     plans = []
-    for batch in (1, 2, INT8_MAX_ROWS + 1) if quantized else (1, 2):
+    for batch in (1, WARM_UP_ROWS):
         kv_len = block_size + 1
         plans.append(StepPlan(
             input_ids=np.zeros(batch, dtype=np.int64),
             positions=np.full(batch, kv_len - 1, dtype=np.int64),
-            slot_mapping=np.arange(batch, dtype=np.int64),
+            slot_mapping=np.arange(batch, dtype=np.int64) % block_size,
             q_lens=np.ones(batch, dtype=np.int64),
             kv_lens=np.full(batch, kv_len, dtype=np.int64),
             block_tables=np.zeros((batch, DECODE_MIN_BLOCKS), dtype=np.int64),

@@ -87,7 +87,7 @@ class ModelRunner:
     def _warm_up_compiled_step(self) -> None:
         """Compile the decode step on dummy steps that write only block 0 (never handed out),
         zeroed again after."""
-        plans = warm_up_plans(self.engine.block_size, self.engine.quantization == "int8")
+        plans = warm_up_plans(self.engine.block_size)
         if not self.compiled_step.warm_up([ForwardBatch(plan, self.engine.block_size,
                                                         self.device) for plan in plans]):
             self.compiled_step = None
