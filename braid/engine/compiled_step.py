@@ -105,7 +105,8 @@ class CompiledDecodeStep:
         failed, and then decode steps run eager."""
         if self.announce:
             print("braid: compiling the decode step (--compile on: torch.compile with "
-                  "freezing, a minute or two)", file=sys.stderr, flush=True)
+                  "freezing and max-autotune, a few minutes; under one when inductor's "
+                  "cache holds it)", file=sys.stderr, flush=True)
         start = time.perf_counter()
         try:
             for batch in batches:
