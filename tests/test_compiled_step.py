@@ -20,9 +20,13 @@ from braid.models.registry import model_class
 
 @pytest.fixture(scope="module")
 def tiny_model(model_path):
-    """SmolLM2's layers, unloaded (only the structure is read)."""
+    """SmolLM2's layers, unloaded (only the structure is read), with a small KV cache (the
+    model runner sizes it before it builds the compiled step)."""
     config = load_model_config(model_path)
-    return model_class(config)(config, SkipCommunicator(0, 1), torch.bfloat16)
+    model = model_class(config)(config, SkipCommunicator(0, 1), torch.bfloat16)
+    for attn in model.attention_layers():
+        attn.allocate_cache(4, 16, torch.bfloat16, torch.device("cpu"))
+    return model
 
 
 def test_the_step_compiles_with_compile_on_for_one_cpu_rank(tiny_model):

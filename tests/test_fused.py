@@ -107,12 +107,26 @@ def test_a_failing_compiler_warns_and_stays_eager(kernels, monkeypatch):
     assert kernels.pick("rotate", 4096) is fused._rotate
 
 
-def test_a_compiled_model_answers_as_the_eager_one(model_path, capfd):
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, tokenizer) -> str:
+    from braid.random_model import make_random_model
+
+    folder = tmp_path_factory.mktemp("tiny-llama") / "model"
+    return str(make_random_model("llama", "tiny", str(folder), tokenizer=tokenizer))
+
+
+# The embedded model's decode step autotunes for minutes in fp32: the default suite runs the
+# same checks on a random two-layer Llama.
+@pytest.mark.parametrize("model", ["tiny_llama", pytest.param("model_path",
+                                                              marks=pytest.mark.slow)])
+def test_a_compiled_model_answers_as_the_eager_one(model, request, capfd):
     """300 prompt tokens take the compiled kernels, and the decode steps the compiled step
     (`--compile on`: one graph for one sequence, one for several, a short prompt's padded
     block table included); logits and greedy tokens match eager (fp32, where both compute the
     same sums)."""
     from braid import LLM, SamplingParams
+
+    model_path = request.getfixturevalue(model)
 
     prompt = [list(range(500, 800))]
     several = [list(range(600 + 7 * i, 640 + 13 * i)) for i in range(3)] + [[5, 6, 7]]

@@ -74,6 +74,12 @@ class CompiledDecodeStep:
             if isinstance(layer, Quantizable) and layer.int8 is not None:
                 torch._dynamo.mark_static(layer.int8.values)
                 torch._dynamo.mark_static(layer.int8.scales)
+        # The KV caches' sizes are fixed too. As symbols they took part in duck sizing: a
+        # step's block-table width or batch equal to a cache size (2 KV heads, 16 tokens per
+        # block) was unified with it and then pinned, and the next step recompiled.
+        for attn in model.attention_layers():
+            torch._dynamo.mark_static(attn.k_cache)
+            torch._dynamo.mark_static(attn.v_cache)
         self.announce = announce
         self._forward = torch.compile(self._logits, dynamic=True)
         self._warmed_up = False
