@@ -72,8 +72,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
                         help="fuse each rank's elementwise work (RMSNorm, rotary, SiLU) with "
                              "torch.compile for steps of 128 tokens or more: on (compiled at "
-                             "start, and at tp 1 on CPU the whole decode step too, about a "
-                             "minute or two), off, or auto (CPU: compiled at the first such step)")
+                             "start, and at tp 1 on CPU the whole decode step too, a few "
+                             "minutes), off, or auto (CPU: compiled at the first such step)")
     parser.add_argument("--no-cache", dest="cache", action="store_false",
                         help="neither read nor write braid's cache of what is derived from a "
                              "GGUF file (config, tokenizer, dequantised weights; kept under "
