@@ -13,6 +13,7 @@ from braid.layers.attention_ops import (
     causal_attention,
     decode_attention,
     prefix_causal_mask,
+    traced_decode_attention,
 )
 
 HEADS = [(9, 3), (4, 4), (6, 1)]  # (query heads, KV heads)
@@ -79,7 +80,7 @@ def test_decode_attention_matches_the_reference(heads, decode):
 def test_decode_of_unequal_groups_in_one_padded_call_equals_a_call_per_run(heads, kv_heads, tp):
     """A rank whose KV heads serve unequal query groups (an uneven split) decodes in one
     call; each real head's output equals the call per uniformly grouped run."""
-    from braid.layers.attention import PagedAttention, padded_decode_attention
+    from braid.layers.attention import PagedAttention, padded_decode
     from braid.layers.partition import partition_heads
 
     gen = torch.Generator().manual_seed(tp)
@@ -93,6 +94,26 @@ def test_decode_of_unequal_groups_in_one_padded_call_equals_a_call_per_run(heads
         values = torch.randn(4, 40, shard.kv_count, 16, generator=gen)
         key_mask = (torch.arange(40) < torch.tensor([40, 33, 17, 1])[:, None])[:, None, None]
         per_run = attn._by_runs(decode_attention, q, keys, values, key_mask, attn.scale)
-        padded = padded_decode_attention(q, keys, values, key_mask, attn.scale,
-                                         attn.decode_padded, attn.decode_kept)
+        padded = padded_decode(decode_attention, q, keys, values, key_mask, attn.scale,
+                               padded=attn.decode_padded, kept=attn.decode_kept)
         torch.testing.assert_close(padded, per_run)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+def test_traced_decode_attention_reads_the_blocks_the_table_names(heads):
+    """The compiled step's decode kernel, run eagerly: keys indexed through the block table
+    give what the gathered blocks give."""
+    from braid.layers.attention import gather_blocks
+
+    hq, hk = heads
+    gen = torch.Generator().manual_seed(hk)
+    k_cache = torch.randn(12, 4, hk, 16, generator=gen)
+    v_cache = torch.randn(12, 4, hk, 16, generator=gen)
+    block_tables = torch.tensor([[7, 2, 9], [0, 11, 0], [5, 0, 0]])
+    lengths = [12, 5, 1]
+    key_mask = (torch.arange(12)[None, :] < torch.tensor(lengths)[:, None])[:, None, None]
+    q = torch.randn(3, hq, 16, generator=gen)
+    out = traced_decode_attention(q, k_cache, v_cache, block_tables, key_mask, 0.3)
+    expected = decode_attention(q, gather_blocks(k_cache, block_tables),
+                                gather_blocks(v_cache, block_tables), key_mask, 0.3)
+    close(out, expected.double())

@@ -71,3 +71,41 @@ def test_decode_block_tables_are_never_narrower_than_the_traced_width():
     assert meta.block_tables.shape == (WARM_UP_ROWS, DECODE_MIN_BLOCKS)
     assert meta.key_mask.shape[-1] == DECODE_MIN_BLOCKS * 16
     assert meta.key_mask.sum().item() == WARM_UP_ROWS * 3
+
+
+def test_a_step_no_graph_serves_compiles_one_instead_of_failing(tiny_model):
+    """Under the skipped guards dynamo refuses a step that needs a new graph (before running
+    anything); the step then checks guards in full and compiles, with a warning."""
+    from torch._dynamo.eval_frame import _is_skip_guard_eval_unsafe_stance
+
+    step = CompiledDecodeStep(tiny_model, tiny_model.operations(), announce=False)
+    calls = []
+
+    def forward(batch):
+        calls.append(_is_skip_guard_eval_unsafe_stance())
+        if calls[-1] and len(calls) > 2:  # the second step after warm-up is unforeseen
+            raise RuntimeError("Recompilation triggered with skip_guard_eval_unsafe stance.")
+        return torch.zeros(1)
+
+    step._forward = forward
+    batch = ForwardBatch(warm_up_plans(16)[0], 16, "cpu")
+    assert step.warm_up([batch]) is True
+    step(batch)
+    with pytest.warns(UserWarning, match="shape not compiled at start-up"):
+        assert step(batch) is not None
+    step(batch)
+    assert calls == [False, True, True, False, False]
+
+
+def test_other_errors_of_the_step_propagate(tiny_model):
+    step = CompiledDecodeStep(tiny_model, tiny_model.operations(), announce=False)
+    step._forward = lambda batch: torch.zeros(1)
+    batch = ForwardBatch(warm_up_plans(16)[0], 16, "cpu")
+    step.warm_up([batch])
+
+    def broken(batch):
+        raise RuntimeError("out of memory")
+
+    step._forward = broken
+    with pytest.raises(RuntimeError, match="out of memory"):
+        step(batch)

@@ -13,6 +13,7 @@ from braid.layers.attention_ops import (
     batched_causal_attention,
     causal_attention,
     decode_attention,
+    traced_decode_attention,
 )
 
 
@@ -55,13 +56,12 @@ class PagedAttention(nn.Module):
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
         write_cache(self.k_cache, k, batch.slot_mapping)
         write_cache(self.v_cache, v, batch.slot_mapping)
-        if torch.compiler.is_compiling() and q.shape[0] > 1:
-            # A decode step traced whole (braid.engine.compiled_step): the gathers and SDPA
-            # as one opaque operator (inductor lowers them well for one sequence only).
+        if torch.compiler.is_compiling():
+            # A decode step traced whole (braid.engine.compiled_step).
             meta = batch.attn_groups[0].meta
-            return torch.ops.braid.paged_decode_attention(
-                q, self.k_cache, self.v_cache, meta.block_tables, meta.key_mask,
-                self.decode_padded, self.decode_kept, self.scale)
+            return padded_decode(traced_decode_attention, q, self.k_cache, self.v_cache,
+                           meta.block_tables, meta.key_mask, self.scale,
+                           padded=self.decode_padded, kept=self.decode_kept).flatten(1)
         return concat_groups([self._attend(q[g.tokens], k[g.tokens], v[g.tokens], g.meta)
                               for g in batch.attn_groups])
 
@@ -69,9 +69,10 @@ class PagedAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """One group of sequences (see `AttentionMetadata` for the three ways)."""
         if meta.decode:
-            out = cached_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                          meta.key_mask, self.decode_padded, self.decode_kept,
-                                          self.scale)
+            keys = gather_blocks(self.k_cache, meta.block_tables)
+            values = gather_blocks(self.v_cache, meta.block_tables)
+            out = padded_decode(decode_attention, q, keys, values, meta.key_mask, self.scale,
+                          padded=self.decode_padded, kept=self.decode_kept)
         elif meta.equal_fresh:
             shape = (meta.batch_size, meta.q_lens[0], -1, self.head_dim)
             out = self._by_runs(batched_causal_attention, q.view(shape), k.view(shape),
@@ -122,46 +123,15 @@ def _padded_groups(runs: list[tuple[int, int, int, int]]
     return torch.tensor(padded), torch.tensor(kept)
 
 
-def padded_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                            key_mask: torch.Tensor, scale: float, padded: torch.Tensor | None,
-                            kept: torch.Tensor | None) -> torch.Tensor:
-    """Decode rows in one grouped call even when the rank's KV heads serve unequal query
-    groups (`_padded_groups`): the short groups are padded with a repeated query head whose
-    output is dropped (an extra query row costs little beside reading the keys; a call per
-    run took 14% longer at tp 2, bs 32)."""
+def padded_decode(kernel: Callable[..., torch.Tensor], q: torch.Tensor, *args: object,
+            padded: torch.Tensor | None, kept: torch.Tensor | None) -> torch.Tensor:
+    """A decode kernel's `kernel(q, *args)` -> [B, heads, Dv] in one grouped call even when the
+    rank's KV heads serve unequal query groups (`_padded_groups`): the short groups are padded
+    with a repeated query head whose output is dropped (an extra query row costs little beside
+    reading the keys; a call per run took 14% longer at tp 2, bs 32)."""
     if padded is None:
-        return decode_attention(q, keys, values, key_mask, scale)
-    out = decode_attention(q.index_select(1, padded), keys, values, key_mask, scale)
-    return out.index_select(1, kept)
-
-
-def cached_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, key_mask: torch.Tensor,
-                            padded: torch.Tensor | None, kept: torch.Tensor | None,
-                            scale: float) -> torch.Tensor:
-    """A decode group's attention over its gathered blocks -> [B, heads, Dv]."""
-    keys, values = gather_blocks(k_cache, block_tables), gather_blocks(v_cache, block_tables)
-    return padded_decode_attention(q, keys, values, key_mask, scale, padded, kept)
-
-
-@torch.library.custom_op("braid::paged_decode_attention", mutates_args=())
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, key_mask: torch.Tensor,
-                           padded: torch.Tensor | None, kept: torch.Tensor | None,
-                           scale: float) -> torch.Tensor:
-    """`cached_decode_attention` as one operator the compiler does
-    not look into. Inductor's own lowering of the gathers and SDPA ran 2.9 ms per layer at
-    bs 32 against 0.35 eager; at one sequence it is faster than this call, which is used from
-    two on. The cache writes stay in the graph (as a mutating operator it cost 3.5 ms more
-    per step at bs 1). q: [B, heads, D] -> [B, heads * Dv]."""
-    out = cached_decode_attention(q, k_cache, v_cache, block_tables, key_mask, padded, kept,
-                                  scale)
-    return out.reshape(q.shape[0], -1)
-
-
-@paged_decode_attention.register_fake
-def _(q, k_cache, v_cache, block_tables, key_mask, padded, kept, scale):
-    return q.new_empty(q.shape[0], q.shape[1] * v_cache.shape[-1])
+        return kernel(q, *args)
+    return kernel(q.index_select(1, padded), *args).index_select(1, kept)
 
 
 def write_cache(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:

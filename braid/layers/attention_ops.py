@@ -11,6 +11,10 @@ lost to these at every shape on the AVX-512 hosts measured, in bf16 and fp32):
   prefix, else with that sequence's own `[new, prefix + new]` mask (no padding to the batch's
   longest sequence).
 - `batched_causal_attention`: fresh prompts of equal length in one call.
+
+`traced_decode_attention` is the decode kernel for a step compiled whole
+(`braid.engine.compiled_step`): plain reductions that inductor fuses with the reads of the
+keys through the block table.
 """
 
 from __future__ import annotations
@@ -56,3 +60,29 @@ def batched_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                          is_causal=True, scale=scale,
                                          enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
+
+
+def traced_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, key_mask: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """`decode_attention` over the paged cache, written for inductor: the keys and values are
+    indexed through the block table inside the score and output reductions, so no gathered
+    copy is made. q: [B, Hq, D]; caches: [blocks, block_size, Hk, D]; block_tables: [B, W];
+    key_mask: [B, 1, 1, W * block_size] -> [B, Hq, Dv].
+
+    Measured on 30 layers of SmolLM2's shapes (2 cores, AVX-512, bf16): 0.68 ms at one
+    sequence against 1.2 for inductor's lowering of the gathers and SDPA, and level with the
+    eager kernels called as an opaque operator at 32 (13-14 ms); eagerly it would be slow.
+    """
+    batch, width = block_tables.shape
+    _, block_size, hk, dim = k_cache.shape
+    position = torch.arange(width * block_size, device=q.device)
+    slots = block_tables[:, position // block_size] * block_size + position % block_size
+    keys = k_cache.view(-1, hk, dim)[slots].transpose(1, 2)[:, :, None]  # [B, Hk, 1, L, D]
+    values = v_cache.view(-1, hk, v_cache.shape[-1])[slots].transpose(1, 2)[:, :, None]
+    queries = q.view(batch, hk, -1, 1, dim).float()  # [B, Hk, g, 1, D]
+    scores = (queries * keys.float()).sum(-1) * scale  # [B, Hk, g, L]
+    scores = scores.masked_fill(~key_mask.view(batch, 1, 1, -1), float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    out = (weights[..., None] * values.float()).sum(-2)  # [B, Hk, g, Dv]
+    return out.to(q.dtype).view(batch, q.shape[1], -1)
