@@ -49,8 +49,10 @@ from braid.overlap.operations import execute
 # one row and 13.7 against 16.6 at 32; int8 weights 6.8 against 11.2 ms at one row, where the
 # template reads them at bandwidth and `_weight_int8pack_mm` does not). (Given as
 # `torch.compile(options=...)` the settings did not take effect: 33 ms per step instead of 20.)
+# assert_indirect_indexing off: no bounds check per indexed load (token ids are checked when a
+# request is added; slots and block tables are the engine's own), 8-12% of decode attention.
 _INDUCTOR_CONFIG = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
-                    "max_autotune_gemm_backends": "CPP,ATEN"}
+                    "max_autotune_gemm_backends": "CPP,ATEN", "assert_indirect_indexing": False}
 # The rows the graph for two or more sequences is tuned at (the templates are timed at the
 # warm-up's size): a typical decode batch. Tuned at 2 rows, batch 32 ran 48 ms per step with
 # bf16 weights and 77 with int8, against 46 and 43 tuned at 16.

@@ -83,6 +83,8 @@ def traced_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     queries = q.view(batch, hk, -1, 1, dim).float()  # [B, Hk, g, 1, D]
     scores = (queries * keys.float()).sum(-1) * scale  # [B, Hk, g, L]
     scores = scores.masked_fill(~key_mask.view(batch, 1, 1, -1), float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
-    out = (weights[..., None] * values.float()).sum(-2)  # [B, Hk, g, Dv]
-    return out.to(q.dtype).view(batch, q.shape[1], -1)
+    # The softmax, normalised after the weighted sum: one division per output element instead
+    # of one per key in the sum's inner loop.
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+    out = (weights[..., None] * values.float()).sum(-2) / weights.sum(-1, keepdim=True)
+    return out.to(q.dtype).view(batch, q.shape[1], -1)  # [B, Hk, g, Dv] -> [B, Hq, Dv]
