@@ -60,8 +60,8 @@ class PagedAttention(nn.Module):
             # A decode step traced whole (braid.engine.compiled_step).
             meta = batch.attn_groups[0].meta
             return padded_decode(traced_decode_attention, q, self.k_cache, self.v_cache,
-                           meta.block_tables, meta.key_mask, self.scale,
-                           padded=self.decode_padded, kept=self.decode_kept).flatten(1)
+                                 meta.block_tables, meta.key_mask, self.scale,
+                                 padded=self.decode_padded, kept=self.decode_kept).flatten(1)
         return concat_groups([self._attend(q[g.tokens], k[g.tokens], v[g.tokens], g.meta)
                               for g in batch.attn_groups])
 
@@ -72,7 +72,7 @@ class PagedAttention(nn.Module):
             keys = gather_blocks(self.k_cache, meta.block_tables)
             values = gather_blocks(self.v_cache, meta.block_tables)
             out = padded_decode(decode_attention, q, keys, values, meta.key_mask, self.scale,
-                          padded=self.decode_padded, kept=self.decode_kept)
+                                padded=self.decode_padded, kept=self.decode_kept)
         elif meta.equal_fresh:
             shape = (meta.batch_size, meta.q_lens[0], -1, self.head_dim)
             out = self._by_runs(batched_causal_attention, q.view(shape), k.view(shape),
@@ -124,7 +124,7 @@ def _padded_groups(runs: list[tuple[int, int, int, int]]
 
 
 def padded_decode(kernel: Callable[..., torch.Tensor], q: torch.Tensor, *args: object,
-            padded: torch.Tensor | None, kept: torch.Tensor | None) -> torch.Tensor:
+                  padded: torch.Tensor | None, kept: torch.Tensor | None) -> torch.Tensor:
     """A decode kernel's `kernel(q, *args)` -> [B, heads, Dv] in one grouped call even when the
     rank's KV heads serve unequal query groups (`_padded_groups`): the short groups are padded
     with a repeated query head whose output is dropped (an extra query row costs little beside
