@@ -99,21 +99,58 @@ def test_decode_of_unequal_groups_in_one_padded_call_equals_a_call_per_run(heads
         torch.testing.assert_close(padded, per_run)
 
 
+def paged_attention(hq, hk, dim, tokens_innermost, num_blocks=12, block_size=4):
+    """A `PagedAttention` with a zeroed cache in the given layout."""
+    from braid.layers.attention import PagedAttention
+
+    attn = PagedAttention(hq, hk, dim)
+    attn.allocate_cache(num_blocks, block_size, torch.float32, torch.device("cpu"),
+                        tokens_innermost=tokens_innermost)
+    return attn
+
+
+def test_both_cache_layouts_store_and_gather_the_same_tokens():
+    """The compiled step's layout (a block's tokens innermost) holds what the token-major one
+    holds, as the writes and gathers of prompt steps see it."""
+    from braid.layers.attention import gather_blocks, write_cache
+
+    gen = torch.Generator().manual_seed(0)
+    new = torch.randn(10, 3, 8, generator=gen)
+    slots = torch.tensor([0, 1, 2, 3, 17, 18, 44, 45, 46, 47])
+    block_tables = torch.tensor([[0, 4], [11, 0]])
+    gathered = []
+    for tokens_innermost in (False, True):
+        attn = paged_attention(9, 3, 8, tokens_innermost)
+        assert attn.k_cache.shape == attn.v_cache.shape == (12, 4, 3, 8)
+        assert attn.k_cache.is_contiguous() is not tokens_innermost
+        for cache in (attn.k_cache, attn.v_cache):
+            write_cache(cache, new, slots)
+            assert torch.equal(cache.reshape(-1, 3, 8)[slots], new)
+            gathered.append(gather_blocks(cache, block_tables))
+    assert gathered[0].shape == (2, 8, 3, 8)
+    assert torch.equal(gathered[0][0, :4], new[:4]) and torch.equal(gathered[0][0, 5:7], new[4:6])
+    assert torch.equal(gathered[0][1, :4], new[6:])
+    for other in gathered[1:]:
+        assert torch.equal(other, gathered[0])
+
+
+@pytest.mark.parametrize("tokens_innermost", [False, True])
 @pytest.mark.parametrize("heads", HEADS)
-def test_traced_decode_attention_reads_the_blocks_the_table_names(heads):
-    """The compiled step's decode kernel, run eagerly: keys indexed through the block table
-    give what the gathered blocks give."""
+def test_traced_decode_attention_reads_the_blocks_the_table_names(heads, tokens_innermost):
+    """The compiled step's decode kernel, run eagerly, in either cache layout: keys indexed
+    through the block table give what the gathered blocks give."""
     from braid.layers.attention import gather_blocks
 
     hq, hk = heads
     gen = torch.Generator().manual_seed(hk)
-    k_cache = torch.randn(12, 4, hk, 16, generator=gen)
-    v_cache = torch.randn(12, 4, hk, 16, generator=gen)
+    attn = paged_attention(hq, hk, 16, tokens_innermost)
+    attn.k_cache.copy_(torch.randn(12, 4, hk, 16, generator=gen))
+    attn.v_cache.copy_(torch.randn(12, 4, hk, 16, generator=gen))
     block_tables = torch.tensor([[7, 2, 9], [0, 11, 0], [5, 0, 0]])
     lengths = [12, 5, 1]
     key_mask = (torch.arange(12)[None, :] < torch.tensor(lengths)[:, None])[:, None, None]
     q = torch.randn(3, hq, 16, generator=gen)
-    out = traced_decode_attention(q, k_cache, v_cache, block_tables, key_mask, 0.3)
-    expected = decode_attention(q, gather_blocks(k_cache, block_tables),
-                                gather_blocks(v_cache, block_tables), key_mask, 0.3)
+    out = traced_decode_attention(q, attn.k_cache, attn.v_cache, block_tables, key_mask, 0.3)
+    expected = decode_attention(q, gather_blocks(attn.k_cache, block_tables),
+                                gather_blocks(attn.v_cache, block_tables), key_mask, 0.3)
     close(out, expected.double())

@@ -13,7 +13,9 @@ to 11.6 ms and batch 32 to 43 ms.
 Decode attention in the graph is `traced_decode_attention`: reductions that read the keys
 through the block table, which inductor fuses (no gathered copy of the keys). It took the step
 from 15.0 to 12.1 ms at batch 1 (inductor's lowering of the gathers and SDPA cost about 80 us a
-layer there) and level with calling the eager kernels as an opaque operator at batch 32.
+layer there). Its KV cache is laid out for it (`PagedAttention.allocate_cache`, tokens
+innermost in each block), so a score is summed as vector FMAs over a block's 16 tokens: decode
+at batch 32 1.16x faster than with the token-major cache (370 against 450 us a layer).
 
 What stays out of the graph: prompt steps (already GEMM-bound), mixed steps, two-batch overlap
 and tensor parallelism (the collectives are not traceable), and models whose attention is not

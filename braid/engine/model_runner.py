@@ -76,7 +76,7 @@ class ModelRunner:
             pack_linear_layers(self.model)
         configure_compile(engine.compile, engine.device, announce=comm.rank == 0)
         self.operations = self.model.operations()
-        self._allocate_kv_cache()
+        self._allocate_kv_cache(tokens_innermost=compile_step)
         self.compiled_step = None
         if compile_step:
             self.compiled_step = CompiledDecodeStep(self.model, self.operations,
@@ -95,11 +95,13 @@ class ModelRunner:
             attn.k_cache[0].zero_()
             attn.v_cache[0].zero_()
 
-    def _allocate_kv_cache(self) -> None:
+    def _allocate_kv_cache(self, tokens_innermost: bool) -> None:
+        """`tokens_innermost`: the compiled decode step's layout (`PagedAttention` only)."""
         num_blocks = num_kv_blocks(self.engine.max_total_tokens, self.engine.block_size)
+        layout = {"tokens_innermost": True} if tokens_innermost else {}
         for attn in self.model.attention_layers():
             attn.allocate_cache(num_blocks, self.engine.block_size, self.engine.torch_dtype,
-                                self.device)
+                                self.device, **layout)
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult | None:
