@@ -1,5 +1,5 @@
 """Attention kernels, one per shape of work, over token-major keys (`[..., keys, kv_heads,
-dim]`, as the paged cache stores them and its gather returns them; SDPA reads them strided).
+dim]`, as the paged cache is indexed and its gather returns them; SDPA reads them strided).
 
 Each is PyTorch's fused SDPA called the way that measured fastest for its shape (`braid
 bench-attention` prints the table; GEMM-and-softmax variants that skip the masked triangle
