@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -47,14 +48,19 @@ class UserError(Exception):
         self.param = param
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return frozenset()
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 GEMMs natively (AVX512-BF16 or AMX); else bf16 is emulated
     and several times slower than fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 SHM_NEEDS_TSO = ("--comm shm relies on x86 total store order, which this CPU does not give; "

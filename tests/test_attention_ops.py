@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from braid.bench.attention import blocked_matmul_causal, grouped_matmul_decode
+from braid.bench.attention import grouped_matmul_decode
 from braid.layers.attention_ops import (
     batched_causal_attention,
+    blocked_causal_attention,
     causal_attention,
     decode_attention,
     prefix_causal_mask,
@@ -48,7 +49,19 @@ def test_causal_attention_matches_the_reference(heads, prefix):
     mask = prefix_causal_mask(45, prefix, q.device) if prefix else None
     expected = reference(q, keys, values, prefix, 0.3)
     close(causal_attention(q, keys, values, mask, 0.3), expected)
-    close(blocked_matmul_causal(q, keys, values, prefix, 0.3, block=16), expected)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize(("tokens", "prefix", "block"), [(45, 0, 16), (45, 21, 16), (7, 30, 64),
+                                                         (64, 0, 64), (1, 5, 64)])
+def test_blocked_causal_attention_matches_the_reference(heads, tokens, prefix, block):
+    """Blocks that do and do not divide the tokens, with and without a prefix, a batch of
+    two sequences with the same prefix length."""
+    prompts = [inputs(*heads, tokens, prefix, seed=s) for s in range(2)]
+    q, keys, values = (torch.stack([p[i] for p in prompts]) for i in range(3))
+    out = blocked_causal_attention(q, keys, values, 0.3, block=block)
+    for b, (pq, pk, pv) in enumerate(prompts):
+        close(out[b], reference(pq, pk, pv, prefix, 0.3))
 
 
 @pytest.mark.parametrize("heads", HEADS)

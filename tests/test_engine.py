@@ -14,6 +14,7 @@ from braid.engine.core import EngineCore
 from braid.engine.model_runner import ModelRunner
 from braid.engine.request import Request, SamplingParams
 from braid.engine.sampler import sample, token_logprobs
+from braid.layers import attention_ops
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
@@ -55,6 +56,31 @@ def test_chunked_prefill_attends_to_the_cached_prefix(runner, prompt_ids, refere
     outputs, core = generate(runner, prompt_ids, max_num_batched_tokens=7)
     assert outputs == reference
     assert core.num_steps > len(reference[0]) + 4  # the chunks really happened
+
+
+@pytest.mark.parametrize("steps", ["one prompt a step", "prompts together", "7-token chunks"])
+def test_blocked_prefill_attention_answers_as_sdpa(runner, prompt_ids, reference, steps,
+                                                   monkeypatch):
+    """The prefill kernel of bf16 hosts without AMX, forced on here in fp32, gives SDPA's
+    tokens: a fresh prompt alone (the batched call), prompts of unequal lengths together (one
+    call each) and chunks that attend to their cached prefix."""
+    import braid.layers.attention as attention
+
+    calls = []
+
+    def blocked(*args):
+        calls.append(args[0].shape)
+        return attention_ops.blocked_causal_attention(*args)
+
+    monkeypatch.setattr(attention, "blocked_prefill_is_faster", lambda dtype, device: True)
+    monkeypatch.setattr(attention, "blocked_causal_attention", blocked)
+    if steps == "one prompt a step":
+        outputs = [generate(runner, [p])[0][0] for p in prompt_ids]
+    else:
+        budget = 7 if steps == "7-token chunks" else None
+        outputs = generate(runner, prompt_ids, max_num_batched_tokens=budget)[0]
+    assert outputs == reference
+    assert calls
 
 
 def test_preemption_under_a_small_cache_loses_nothing(runner, prompt_ids):

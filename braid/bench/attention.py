@@ -1,12 +1,14 @@
 """`braid bench-attention`: the attention paths at the shapes the engine runs, side by side.
 
 Paths:
-- `engine`: what braid runs for the shape (`braid.layers.attention_ops`);
+- `engine`: what braid runs for the shape on this host and dtype (`braid.layers.attention_ops`);
 - `sdpa-padded`: braid's previous path, every sequence's queries padded to the group's longest
   against all gathered keys under a dense `[B, 1, max_q, keys]` mask (`enable_gqa`);
-- `grouped-matmul` (decode) and `blocked-matmul` (prefill): GEMMs in the model's dtype and an fp32
-  softmax, queries grouped by KV head, prefill query blocks attending only up to their diagonal.
-  They are the candidates the engine's choice was measured against.
+- `sdpa` (prefill): PyTorch's fused SDPA per sequence (one batched call for fresh prompts of
+  equal length);
+- `grouped-matmul` (decode) and `blocked-matmul` (prefill, `blocked_causal_attention`): GEMMs
+  in the model's dtype and a softmax accumulated in fp32, queries grouped by KV head, prefill
+  query blocks attending only up to their diagonal.
 Inputs are random, shaped as rank 0's heads of the model at `--tp`; each time is the median of
 `--repeat` calls after warm-up, in this process, on every usable core.
 """
@@ -31,6 +33,8 @@ from braid.config import (
 )
 from braid.layers.attention_ops import (
     batched_causal_attention,
+    blocked_causal_attention,
+    blocked_prefill_is_faster,
     causal_attention,
     decode_attention,
     prefix_causal_mask,
@@ -50,26 +54,6 @@ def grouped_matmul_decode(q, keys, values, key_mask, scale):
     scores.masked_fill_(~key_mask, float("-inf"))
     out = torch.matmul(scores.softmax(-1).to(values.dtype), values.transpose(1, 2))
     return out.reshape(batch, q.shape[1], -1)
-
-
-def blocked_matmul_causal(q, keys, values, prefix, scale, block=256):
-    """One sequence: q: [T, Hq, D]; keys, values: [prefix + T, Hk, D]; query blocks attend only
-    to keys up to their diagonal -> [T, Hq, D]."""
-    tokens, hq, dim = q.shape
-    hk = keys.shape[1]
-    keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [Hk, K, D]
-    group = hq // hk
-    queries = q.view(tokens, hk, group, dim).transpose(0, 1).reshape(hk, tokens * group, dim)
-    out = torch.empty(hk, tokens * group, values.shape[-1], dtype=values.dtype)
-    for start in range(0, tokens, block):
-        end = min(start + block, tokens)
-        rows = slice(start * group, end * group)
-        scores = torch.bmm(queries[:, rows], keys[:, :prefix + end].transpose(1, 2)).float()
-        token = torch.arange(start * group, end * group) // group
-        above = torch.arange(prefix + end)[None, :] > prefix + token[:, None]
-        scores.mul_(scale).masked_fill_(above, float("-inf"))
-        out[:, rows] = torch.bmm(scores.softmax(-1).to(values.dtype), values[:, :prefix + end])
-    return out.view(hk, tokens, group, -1).transpose(0, 1).reshape(tokens, hq, -1)
 
 
 def _median_ms(fn: Callable[[], object], repeat: int) -> float:
@@ -114,17 +98,17 @@ def prefill_paths(batch: int, tokens: int, prefix: int, hq: int, hk: int, dim: i
         padded = lambda: F.scaled_dot_product_attention(  # noqa: E731
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), is_causal=True,
             enable_gqa=hq != hk)
-        engine = lambda: batched_causal_attention(q, keys, values, scale)  # noqa: E731
+        sdpa = lambda: batched_causal_attention(q, keys, values, scale)  # noqa: E731
     else:
         mask = prefix_causal_mask(tokens, prefix, q.device)
         padded = lambda: F.scaled_dot_product_attention(  # noqa: E731
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=mask[None, None], enable_gqa=hq != hk)
-        engine = lambda: [causal_attention(q[b], keys[b], values[b], mask, scale)  # noqa: E731
-                          for b in range(batch)]
-    return {"sdpa-padded": padded, "engine": engine,
-            "blocked-matmul": lambda: [blocked_matmul_causal(q[b], keys[b], values[b], prefix,
-                                                             scale) for b in range(batch)]}
+        sdpa = lambda: [causal_attention(q[b], keys[b], values[b], mask, scale)  # noqa: E731
+                        for b in range(batch)]
+    blocked = lambda: blocked_causal_attention(q, keys, values, scale)  # noqa: E731
+    engine = blocked if blocked_prefill_is_faster(dtype, q.device) else sdpa
+    return {"sdpa-padded": padded, "engine": engine, "sdpa": sdpa, "blocked-matmul": blocked}
 
 
 def run_bench_attention(args: argparse.Namespace) -> None:

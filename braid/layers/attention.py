@@ -11,6 +11,8 @@ from torch import nn
 from braid.engine.batch import AttentionMetadata, ForwardBatch
 from braid.layers.attention_ops import (
     batched_causal_attention,
+    blocked_causal_attention,
+    blocked_prefill_is_faster,
     causal_attention,
     decode_attention,
     traced_decode_attention,
@@ -90,8 +92,9 @@ class PagedAttention(nn.Module):
                                 padded=self.decode_padded, kept=self.decode_kept)
         elif meta.equal_fresh:
             shape = (meta.batch_size, meta.q_lens[0], -1, self.head_dim)
-            out = self._by_runs(batched_causal_attention, q.view(shape), k.view(shape),
-                                v.view(shape), self.scale)
+            kernel = (blocked_causal_attention if blocked_prefill_is_faster(q.dtype, q.device)
+                      else batched_causal_attention)
+            out = self._by_runs(kernel, q.view(shape), k.view(shape), v.view(shape), self.scale)
         else:
             out = concat_groups([
                 self._attend_sequence(q, k, v, meta, b) for b in range(meta.batch_size)])
@@ -106,6 +109,9 @@ class PagedAttention(nn.Module):
         else:
             keys = gather_blocks(self.k_cache, blocks[None])[0, :meta.kv_lens[b]]
             values = gather_blocks(self.v_cache, blocks[None])[0, :meta.kv_lens[b]]
+        if blocked_prefill_is_faster(q.dtype, q.device):
+            return self._by_runs(blocked_causal_attention, q[rows][None], keys[None],
+                                 values[None], self.scale)[0]
         return self._by_runs(causal_attention, q[rows], keys, values, meta.masks[b], self.scale)
 
     def _by_runs(self, kernel: Callable[..., torch.Tensor], q: torch.Tensor, keys: torch.Tensor,
