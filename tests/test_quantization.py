@@ -15,6 +15,7 @@ from braid.distributed.comm import SkipCommunicator
 from braid.engine.core import EngineCore
 from braid.engine.model_runner import ModelRunner
 from braid.engine.request import Request, SamplingParams
+from braid.layers import quant
 from braid.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from braid.layers.linear import RowParallelLinear
 from braid.layers.quant import (
@@ -28,7 +29,7 @@ from braid.layers.quant import (
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
 
 
-def test_per_channel_int8_weights_and_the_kernel():
+def test_per_channel_int8_weights_and_the_kernel(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(96, 64, generator=gen) * torch.rand(96, 1, generator=gen)).bfloat16()
     int8 = Int8Weight.quantize(weight)
@@ -43,12 +44,23 @@ def test_per_channel_int8_weights_and_the_kernel():
                                atol=0.05, rtol=0.02)
     big = torch.randn(INT8_MAX_ROWS + 1, 64, generator=gen).bfloat16()
     assert torch.equal(linear(big, weight, None, int8), F.linear(big, weight))  # dense path
-    # Traced into the compiled decode step, every row count reads the int8 weights (inductor's
-    # template for them beat the dense GEMM at 32 rows too).
-    traced = torch.compile(lambda rows: linear(rows, weight, None, int8), backend="eager")
-    torch.testing.assert_close(traced(big).float(), F.linear(big.float(), int8.dequantize()),
-                               atol=0.05, rtol=0.02)
-    assert not torch.equal(traced(big), F.linear(big, weight))
+    # Traced into the compiled decode step (dynamic shapes): the graph for one sequence reads
+    # the int8 weights; the graph for several does where the CPU has AMX (inductor's int8
+    # template beat the dense GEMM at 32 rows there) and keeps the dense ones elsewhere.
+    one = torch.randn(1, 64, generator=gen).bfloat16()
+    for several_read_int8 in (True, False):  # with AMX, without
+        monkeypatch.setattr(quant, "INT8_GRAPH_AT_BATCH", several_read_int8)
+        torch._dynamo.reset()
+        traced = torch.compile(lambda rows: linear(rows, weight, None, int8), backend="eager",
+                               dynamic=True)
+        for rows, reads_int8 in ((one, True), (big, several_read_int8)):
+            if reads_int8:
+                torch.testing.assert_close(traced(rows).float(),
+                                           F.linear(rows.float(), int8.dequantize()),
+                                           atol=0.05, rtol=0.02)
+                assert not torch.equal(traced(rows), F.linear(rows, weight))
+            else:
+                assert torch.equal(traced(rows), F.linear(rows, weight))
 
 
 def same_gemm(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -13,7 +13,8 @@ of bf16; larger GEMMs keep the dense weight, where that kernel is several times 
 (measured with bf16 activations on AVX-512: 3x faster at 1 row, even at 8, 3.3x slower at 32,
 against the row-major weight). The kernel is vectorised for 16-bit activations only, so fp32
 models keep the dense path (a warning says so). Inside the compiled decode step (`--compile
-on`) every GEMM reads the int8 weights, through inductor's GEMM template for them.
+on`) the GEMMs of one sequence read the int8 weights through inductor's GEMM template for
+them, and so do those of several sequences where the CPU has AMX (see `int8_applies`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from braid.config import cpu_flags
+
 INT8_MAX_ROWS = 4  # GEMMs of at most this many rows use the int8 weights
+# Whether the compiled decode step's graph for several sequences reads int8 weights (see
+# `int8_applies`); a constant, so that tracing does not read the CPU's flags.
+INT8_GRAPH_AT_BATCH = "amx_int8" in cpu_flags()
 
 
 @dataclass
@@ -64,11 +70,17 @@ class Quantizable:
 
 
 def int8_applies(x: torch.Tensor, int8: Int8Weight | None) -> bool:
-    """Whether a GEMM of `x` reads the int8 weights: there are some, and `x` has few rows or
-    is traced into the compiled decode step, whose GEMM template for int8 weights beats the
-    dense GEMM at any decode batch (32 rows: 10.7 against 13.7 ms for SmolLM2's 121 GEMMs)."""
-    return int8 is not None and x.dim() == 2 and (torch.compiler.is_compiling()
-                                                  or x.shape[0] <= INT8_MAX_ROWS)
+    """Whether a GEMM of `x` reads the int8 weights: there are some, and `x` has few rows, or
+    `x` is traced into the compiled decode step's graph for one sequence (its row count is the
+    constant 1), or into its graph for several where the CPU has AMX. Inductor's GEMM template
+    for int8 weights beat the dense GEMM at any decode batch with AMX (32 rows: 10.7 against
+    13.7 ms for SmolLM2's 121 GEMMs), but on a Zen 4 without AMX int8 at batch 32 decoded at
+    0.71x bf16, so there the graph for several sequences keeps the dense weights."""
+    if int8 is None or x.dim() != 2:
+        return False
+    if torch.compiler.is_compiling():
+        return x.shape[0] == 1 or INT8_GRAPH_AT_BATCH
+    return x.shape[0] <= INT8_MAX_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
