@@ -8,13 +8,16 @@ import torch
 
 from braid.config import load_model_config
 from braid.distributed.comm import SkipCommunicator
+from braid.engine import compiled_step
 from braid.engine.batch import ForwardBatch
 from braid.engine.compiled_step import (
     WARM_UP_ROWS,
     CompiledDecodeStep,
+    inductor_config,
     step_compile_applies,
     warm_up_plans,
 )
+from braid.layers.quant import Quantizable
 from braid.models.registry import model_class
 
 
@@ -35,6 +38,20 @@ def test_the_step_compiles_with_compile_on_for_one_cpu_rank(tiny_model):
     assert not step_compile_applies("off", "cpu", 1, tiny_model)
     assert not step_compile_applies("on", "cuda", 1, tiny_model)
     assert not step_compile_applies("on", "cpu", 2, tiny_model)  # collectives: not traceable
+
+
+def test_gemm_kernels_chosen_by_weights_and_cpu(tiny_model, monkeypatch):
+    """oneDNN alone for dense bf16 weights on a CPU without AMX; inductor's templates are timed
+    against it with AMX or int8 weights."""
+    def backends(flags: set[str]) -> str:
+        monkeypatch.setattr(compiled_step, "cpu_flags", lambda: flags)
+        return inductor_config(tiny_model)["max_autotune_gemm_backends"]
+
+    assert backends({"avx512f", "avx512_bf16"}) == "ATEN"
+    assert backends({"avx512f", "avx512_bf16", "amx_bf16"}) == "CPP,ATEN"
+    some_linear = next(m for m in tiny_model.modules() if isinstance(m, Quantizable))
+    monkeypatch.setattr(some_linear, "int8", object(), raising=False)
+    assert backends({"avx512f", "avx512_bf16"}) == "CPP,ATEN"
 
 
 def test_warm_up_plans_are_decode_steps_in_block_zero():

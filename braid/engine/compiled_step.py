@@ -5,8 +5,9 @@ operators per token, and outside the weight GEMVs (15 ms, the memory floor) the 
 spends about 12 ms calling them. `torch.compile` of the whole operation list, with inductor's
 freezing (weights become constants, laid out for their GEMMs once), its C++ wrapper (the
 kernels are called from C++, not Python) and max-autotune (each GEMM timed against
-inductor's C++ templates), fuses the elementwise work between GEMMs, drops the dispatch and
-reads int8 weights at bandwidth. Measured on the 2-core AVX-512 host, per step in process:
+inductor's C++ templates, except for bf16 weights on CPUs without AMX: `inductor_config`),
+fuses the elementwise work between GEMMs, drops the dispatch and reads int8 weights at
+bandwidth. Measured on the 2-core AVX-512 host, per step in process:
 bf16 batch 1 went from 27.5 to 15.0 ms and batch 32 from 59 to 46 ms; int8 batch 1 from 21.6
 to 11.6 ms and batch 32 to 43 ms.
 
@@ -39,6 +40,7 @@ import torch
 import torch._inductor.config
 from torch import nn
 
+from braid.config import cpu_flags
 from braid.engine.batch import DECODE_MIN_BLOCKS, ForwardBatch, StepPlan
 from braid.layers.attention import PagedAttention
 from braid.layers.quant import Quantizable
@@ -55,12 +57,28 @@ from braid.overlap.operations import execute
 # request is added; slots and block tables are the engine's own), 8-12% of decode attention.
 _INDUCTOR_CONFIG = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
                     "max_autotune_gemm_backends": "CPP,ATEN", "assert_indirect_indexing": False}
+# Except for bf16 weights on a CPU without AMX: there the templates convert each bf16 weight to
+# fp32 and stream it at about 16 GB/s, where oneDNN reads 24-38 GB/s, yet autotuning on warm
+# caches still picks them. oneDNN alone: bs 1 decode 1.11x, bs 32 the same (2-core Zen 4).
+# int8 weights keep the templates (under oneDNN alone int8 / bf16 at bs 1 fell from 1.94x to
+# 1.32-1.37x there).
+_DENSE_BF16_WITHOUT_AMX = {"max_autotune_gemm_backends": "ATEN"}
 # The rows the graph for two or more sequences is tuned at (the templates are timed at the
 # warm-up's size): a typical decode batch. Tuned at 2 rows, batch 32 ran 48 ms per step with
 # bf16 weights and 77 with int8, against 46 and 43 tuned at 16.
 WARM_UP_ROWS = 16
 # Part of the error dynamo raises when no graph fits a step under the skipped guards.
 _UNFORESEEN_STEP = "skip_guard_eval_unsafe"
+
+
+def inductor_config(model: nn.Module) -> dict:
+    """The inductor settings `model`'s decode step is compiled under."""
+    reads_int8 = any(isinstance(layer, Quantizable) and layer.int8 is not None
+                     for layer in model.modules())
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.bfloat16 and not reads_int8 and "amx_bf16" not in cpu_flags():
+        return {**_INDUCTOR_CONFIG, **_DENSE_BF16_WITHOUT_AMX}
+    return _INDUCTOR_CONFIG
 
 
 def step_compile_applies(mode: str, device: str, world_size: int, model: nn.Module) -> bool:
@@ -89,6 +107,7 @@ class CompiledDecodeStep:
             torch._dynamo.mark_static(attn.k_cache)
             torch._dynamo.mark_static(attn.v_cache)
         self.announce = announce
+        self._inductor_config = inductor_config(model)
         self._forward = torch.compile(self._logits, dynamic=True)
         self._skip_guards = False  # once warmed up, until a step needs a new graph
 
@@ -103,7 +122,7 @@ class CompiledDecodeStep:
                 and batch.logits_index is None)
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
-        with torch._inductor.config.patch(_INDUCTOR_CONFIG):  # in force if a shape recompiles
+        with torch._inductor.config.patch(self._inductor_config):  # in force if a shape recompiles
             if not self._skip_guards:
                 return self._forward(batch)
             # After warm-up only the guards that tell the graphs apart are checked (one
