@@ -41,17 +41,22 @@ def test_the_step_compiles_with_compile_on_for_one_cpu_rank(tiny_model):
 
 
 def test_gemm_kernels_chosen_by_weights_and_cpu(tiny_model, monkeypatch):
-    """oneDNN alone for dense bf16 weights on a CPU without AMX; inductor's templates are timed
-    against it with AMX or int8 weights."""
-    def backends(flags: set[str]) -> str:
+    """oneDNN alone for graphs of dense bf16 weights on a CPU without AMX; inductor's templates
+    are timed against it with AMX or where the graph reads int8 weights."""
+    def backends(flags: set[str], one_sequence: bool = True) -> str:
         monkeypatch.setattr(compiled_step, "cpu_flags", lambda: flags)
-        return inductor_config(tiny_model)["max_autotune_gemm_backends"]
+        return inductor_config(tiny_model, one_sequence)["max_autotune_gemm_backends"]
 
-    assert backends({"avx512f", "avx512_bf16"}) == "ATEN"
-    assert backends({"avx512f", "avx512_bf16", "amx_bf16"}) == "CPP,ATEN"
+    no_amx, amx = {"avx512f", "avx512_bf16"}, {"avx512f", "avx512_bf16", "amx_bf16"}
+    assert backends(no_amx) == backends(no_amx, one_sequence=False) == "ATEN"
+    assert backends(amx) == "CPP,ATEN"
     some_linear = next(m for m in tiny_model.modules() if isinstance(m, Quantizable))
     monkeypatch.setattr(some_linear, "int8", object(), raising=False)
-    assert backends({"avx512f", "avx512_bf16"}) == "CPP,ATEN"
+    assert backends(no_amx) == "CPP,ATEN"
+    # the graph for several sequences reads the int8 weights only with AMX (int8_applies)
+    for several_read_int8, expected in ((False, "ATEN"), (True, "CPP,ATEN")):
+        monkeypatch.setattr(compiled_step, "INT8_GRAPH_AT_BATCH", several_read_int8)
+        assert backends(no_amx, one_sequence=False) == expected
 
 
 def test_warm_up_plans_are_decode_steps_in_block_zero():

@@ -43,7 +43,7 @@ from torch import nn
 from braid.config import cpu_flags
 from braid.engine.batch import DECODE_MIN_BLOCKS, ForwardBatch, StepPlan
 from braid.layers.attention import PagedAttention
-from braid.layers.quant import Quantizable
+from braid.layers.quant import INT8_GRAPH_AT_BATCH, Quantizable
 from braid.overlap.operations import execute
 
 # freezing: parameters become constants, so weights are laid out for their GEMM once, at
@@ -60,8 +60,8 @@ _INDUCTOR_CONFIG = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
 # Except for bf16 weights on a CPU without AMX: there the templates convert each bf16 weight to
 # fp32 and stream it at about 16 GB/s, where oneDNN reads 24-38 GB/s, yet autotuning on warm
 # caches still picks them. oneDNN alone: bs 1 decode 1.11x, bs 32 the same (2-core Zen 4).
-# int8 weights keep the templates (under oneDNN alone int8 / bf16 at bs 1 fell from 1.94x to
-# 1.32-1.37x there).
+# A graph whose GEMMs read int8 weights keeps the templates (under oneDNN alone int8 / bf16
+# at bs 1 fell from 1.94x to 1.32-1.37x there).
 _DENSE_BF16_WITHOUT_AMX = {"max_autotune_gemm_backends": "ATEN"}
 # The rows the graph for two or more sequences is tuned at (the templates are timed at the
 # warm-up's size): a typical decode batch. Tuned at 2 rows, batch 32 ran 48 ms per step with
@@ -71,10 +71,12 @@ WARM_UP_ROWS = 16
 _UNFORESEEN_STEP = "skip_guard_eval_unsafe"
 
 
-def inductor_config(model: nn.Module) -> dict:
-    """The inductor settings `model`'s decode step is compiled under."""
-    reads_int8 = any(isinstance(layer, Quantizable) and layer.int8 is not None
-                     for layer in model.modules())
+def inductor_config(model: nn.Module, one_sequence: bool) -> dict:
+    """The inductor settings `model`'s decode graph for one sequence, or for several, is
+    compiled under: by what its GEMMs read (int8 weights where `int8_applies` in that graph)."""
+    has_int8 = any(isinstance(layer, Quantizable) and layer.int8 is not None
+                   for layer in model.modules())
+    reads_int8 = has_int8 and (one_sequence or INT8_GRAPH_AT_BATCH)
     dtype = next(model.parameters()).dtype
     if dtype == torch.bfloat16 and not reads_int8 and "amx_bf16" not in cpu_flags():
         return {**_INDUCTOR_CONFIG, **_DENSE_BF16_WITHOUT_AMX}
@@ -107,7 +109,7 @@ class CompiledDecodeStep:
             torch._dynamo.mark_static(attn.k_cache)
             torch._dynamo.mark_static(attn.v_cache)
         self.announce = announce
-        self._inductor_config = inductor_config(model)
+        self._inductor_configs = {one: inductor_config(model, one) for one in (True, False)}
         self._forward = torch.compile(self._logits, dynamic=True)
         self._skip_guards = False  # once warmed up, until a step needs a new graph
 
@@ -122,7 +124,8 @@ class CompiledDecodeStep:
                 and batch.logits_index is None)
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
-        with torch._inductor.config.patch(self._inductor_config):  # in force if a shape recompiles
+        config = self._inductor_configs[batch.num_tokens == 1]
+        with torch._inductor.config.patch(config):  # in force if a shape recompiles
             if not self._skip_guards:
                 return self._forward(batch)
             # After warm-up only the guards that tell the graphs apart are checked (one
