@@ -112,12 +112,13 @@ def test_decode_of_unequal_groups_in_one_padded_call_equals_a_call_per_run(heads
         torch.testing.assert_close(padded, per_run)
 
 
-def paged_attention(hq, hk, dim, tokens_innermost, num_blocks=12, block_size=4):
+def paged_attention(hq, hk, dim, tokens_innermost, num_blocks=12, block_size=4,
+                    dtype=torch.float32):
     """A `PagedAttention` with a zeroed cache in the given layout."""
     from braid.layers.attention import PagedAttention
 
     attn = PagedAttention(hq, hk, dim)
-    attn.allocate_cache(num_blocks, block_size, torch.float32, torch.device("cpu"),
+    attn.allocate_cache(num_blocks, block_size, dtype, torch.device("cpu"),
                         tokens_innermost=tokens_innermost)
     return attn
 
@@ -167,3 +168,37 @@ def test_traced_decode_attention_reads_the_blocks_the_table_names(heads, tokens_
     expected = decode_attention(q, gather_blocks(attn.k_cache, block_tables),
                                 gather_blocks(attn.v_cache, block_tables), key_mask, 0.3)
     close(out, expected.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (16, 2)])
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_decode_kernel_matches_the_reference(heads, head_dim, dtype):
+    """The compiled step's C++ decode operator against the fp64 reference, through a shuffled
+    block table, at lengths that end mid-block, on a block boundary and within the first
+    block; head_dim 48 takes the path that accumulates one vector of it at a time."""
+    from braid.layers import decode_kernel
+
+    assert decode_kernel.load()
+    hq, hk = heads
+    block_size, width = 16, 5
+    gen = torch.Generator().manual_seed(hq)
+    attn = paged_attention(hq, hk, head_dim, tokens_innermost=True, num_blocks=24,
+                           block_size=block_size, dtype=dtype)
+    attn.k_cache.copy_(torch.randn(24, block_size, hk, head_dim, generator=gen))
+    attn.v_cache.copy_(torch.randn(24, block_size, hk, head_dim, generator=gen))
+    block_tables = torch.randperm(24, generator=gen)[:4 * width].view(4, width)
+    lengths = [77, 32, 1, 50]
+    q = torch.randn(4, hq, head_dim, generator=gen).to(dtype)
+    assert decode_kernel.fits(hq, attn.k_cache)
+    out = decode_kernel.paged_decode_attention(q, attn.k_cache, attn.v_cache, block_tables,
+                                               torch.tensor(lengths), head_dim ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    # bf16: the output's rounding (2^-8 relative) on values of order 1
+    tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2,
+                                                                            "rtol": 1e-2}
+    for b, n in enumerate(lengths):
+        keys = attn.k_cache[block_tables[b]].flatten(0, 1)[:n]
+        values = attn.v_cache[block_tables[b]].flatten(0, 1)[:n]
+        expected = reference(q[b:b + 1], keys, values, n - 1, head_dim ** -0.5)
+        torch.testing.assert_close(out[b:b + 1].double(), expected, **tolerance)

@@ -131,3 +131,20 @@ def test_other_errors_of_the_step_propagate(tiny_model):
     step._forward = broken
     with pytest.raises(RuntimeError, match="out of memory"):
         step(batch)
+
+
+def test_decode_attention_uses_the_kernel_where_the_cache_fits_it(tiny_model):
+    """The C++ decode operator reads the tokens-innermost layout the compiled step allocates;
+    a token-major cache keeps the traced kernel."""
+    layers = tiny_model.attention_layers()
+    compiled_step.use_decode_kernel(tiny_model)  # the fixture's caches are token-major
+    assert not any(attn.use_decode_kernel for attn in layers)
+    try:
+        for attn in layers:
+            attn.allocate_cache(4, 16, torch.bfloat16, torch.device("cpu"), tokens_innermost=True)
+        compiled_step.use_decode_kernel(tiny_model)
+        assert all(attn.use_decode_kernel for attn in layers)
+    finally:
+        for attn in layers:
+            attn.allocate_cache(4, 16, torch.bfloat16, torch.device("cpu"))
+            attn.use_decode_kernel = False

@@ -116,6 +116,7 @@ class AttentionMetadata:
     kv_lens: list[int]
     block_tables: torch.Tensor | None = None  # decode: [B, blocks]
     key_mask: torch.Tensor | None = None  # decode: [B, 1, 1, blocks * block_size] bool
+    seq_lens: torch.Tensor | None = None  # decode: [B] int64, = kv_lens
     key_blocks: list[torch.Tensor | None] | None = None  # prefill, per sequence; None: fresh
     masks: list[torch.Tensor | None] | None = None  # prefill, per sequence; None: fresh
 
@@ -149,6 +150,7 @@ def build_attention_metadata(q_lens: np.ndarray, kv_lens: np.ndarray, block_tabl
         meta.block_tables = torch.from_numpy(tables).to(device)
         key_mask = np.arange(width * block_size)[None, :] < kv_lens[:, None]
         meta.key_mask = torch.from_numpy(key_mask[:, None, None, :]).to(device)
+        meta.seq_lens = torch.from_numpy(kv_lens.astype(np.int64)).to(device)
     else:
         meta.key_blocks = [None if is_fresh else torch.from_numpy(block_tables[b, :n]).to(device)
                            for b, (is_fresh, n) in enumerate(zip(fresh, blocks))]

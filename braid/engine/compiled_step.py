@@ -11,12 +11,14 @@ bandwidth. Measured on the 2-core AVX-512 host, per step in process:
 bf16 batch 1 went from 27.5 to 15.0 ms and batch 32 from 59 to 46 ms; int8 batch 1 from 21.6
 to 11.6 ms and batch 32 to 43 ms.
 
-Decode attention in the graph is `traced_decode_attention`: reductions that read the keys
-through the block table, which inductor fuses (no gathered copy of the keys). It took the step
-from 15.0 to 12.1 ms at batch 1 (inductor's lowering of the gathers and SDPA cost about 80 us a
-layer there). Its KV cache is laid out for it (`PagedAttention.allocate_cache`, tokens
-innermost in each block), so a score is summed as vector FMAs over a block's 16 tokens: decode
-at batch 32 1.16x faster than with the token-major cache (370 against 450 us a layer).
+Decode attention in the graph is `decode_kernel`'s C++ operator (`use_decode_kernel`), or
+`traced_decode_attention` where it does not fit or cannot be built: reductions that read the
+keys through the block table, which inductor fuses (no gathered copy of the keys). The traced
+kernel took the step from 15.0 to 12.1 ms at batch 1 (inductor's lowering of the gathers and
+SDPA cost about 80 us a layer there); the operator took batch 32 (context 128-168, 2-core
+Zen 5) from 36-39 to 31-32 ms a step, attention from 37% of it to 21%. The KV cache is laid
+out for both (`PagedAttention.allocate_cache`, tokens innermost in each block), so a score is
+summed as vector FMAs over a block's 16 tokens.
 
 What stays out of the graph: prompt steps (already GEMM-bound), mixed steps, two-batch overlap
 and tensor parallelism (the collectives are not traceable), and models whose attention is not
@@ -42,6 +44,7 @@ from torch import nn
 
 from braid.config import cpu_flags
 from braid.engine.batch import DECODE_MIN_BLOCKS, ForwardBatch, StepPlan
+from braid.layers import decode_kernel
 from braid.layers.attention import PagedAttention
 from braid.layers.quant import INT8_GRAPH_AT_BATCH, Quantizable
 from braid.overlap.operations import execute
@@ -83,6 +86,15 @@ def inductor_config(model: nn.Module, one_sequence: bool) -> dict:
     return _INDUCTOR_CONFIG
 
 
+def use_decode_kernel(model: nn.Module) -> None:
+    """Decode attention through `decode_kernel` in every layer it fits, where it builds."""
+    layers = [attn for attn in model.attention_layers()
+              if len(attn.runs) == 1 and decode_kernel.fits(attn.num_heads, attn.k_cache)]
+    if layers and decode_kernel.load():
+        for attn in layers:
+            attn.use_decode_kernel = True
+
+
 def step_compile_applies(mode: str, device: str, world_size: int, model: nn.Module) -> bool:
     """Whether decode steps are compiled: `--compile on`, on CPU, one rank, and a model whose
     attention layers are all `PagedAttention`."""
@@ -108,6 +120,7 @@ class CompiledDecodeStep:
         for attn in model.attention_layers():
             torch._dynamo.mark_static(attn.k_cache)
             torch._dynamo.mark_static(attn.v_cache)
+        use_decode_kernel(model)
         self.announce = announce
         self._inductor_configs = {one: inductor_config(model, one) for one in (True, False)}
         self._forward = torch.compile(self._logits, dynamic=True)

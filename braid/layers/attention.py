@@ -17,6 +17,7 @@ from braid.layers.attention_ops import (
     decode_attention,
     traced_decode_attention,
 )
+from braid.layers.decode_kernel import paged_decode_attention
 
 
 class PagedAttention(nn.Module):
@@ -46,6 +47,9 @@ class PagedAttention(nn.Module):
         self.scale = head_dim ** -0.5
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # Set by the compiled decode step where `decode_kernel.fits`: its decode attention is
+        # then the C++ operator instead of `traced_decode_attention`.
+        self.use_decode_kernel = False
 
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device, tokens_innermost: bool = False) -> None:
@@ -76,6 +80,9 @@ class PagedAttention(nn.Module):
         if torch.compiler.is_compiling():
             # A decode step traced whole (braid.engine.compiled_step).
             meta = batch.attn_groups[0].meta
+            if self.use_decode_kernel:
+                return paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                              meta.seq_lens, self.scale).flatten(1)
             return padded_decode(traced_decode_attention, q, self.k_cache, self.v_cache,
                                  meta.block_tables, meta.key_mask, self.scale,
                                  padded=self.decode_padded, kept=self.decode_kept).flatten(1)

@@ -1,0 +1,195 @@
+// Decode attention over braid's paged KV cache, for the compiled decode step on CPU
+// (braid/layers/decode_kernel.py builds it on first use, for the host's ISA).
+//
+// Why not inductor's code for the same reductions (`traced_decode_attention`): it sums each
+// score as one vector accumulator over head_dim (a chain of dependent adds), reloads the keys
+// for every query head of the group, and reads the cache with no prefetch, so it runs at
+// about 8 GB/s. Here the G query heads of a KV head share each key load in G registers, the
+// weighted values accumulate in registers, and the next block is prefetched.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t VL = Vec::size();
+
+inline Vec load(const float* p) { return Vec::loadu(p); }
+inline Vec load(const at::BFloat16* p) {
+  return at::vec::convert<float>(at::vec::Vectorized<at::BFloat16>::loadu(p, VL));
+}
+inline void store(const Vec& x, float* p) { x.store(p); }
+inline void store(const Vec& x, at::BFloat16* p) { at::vec::convert<at::BFloat16>(x).store(p, VL); }
+
+template <typename T>
+inline void prefetch(const T* p, int64_t elems) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < elems * int64_t(sizeof(T)); off += 64) __builtin_prefetch(c + off);
+}
+
+// Where one (sequence, KV head) reads and writes; strides in elements.
+template <typename T>
+struct Task {
+  const T* q;            // [G, D], this head group's queries
+  const T* k;            // the KV head's keys in block 0: [D, bs] at stride kd, tokens unit
+  const T* v;            // the KV head's values in block 0: [bs, D] at stride vt, dims unit
+  const int64_t* table;  // the sequence's blocks
+  int64_t len, D, bs, k_block, kd, v_block, vt;
+  T* out;                // [G, D]
+};
+
+// scores[g][t] = scale * q[g] . k[t] for the sequence's keys, block by block: the G query
+// heads share each key vector (G independent accumulators), the next block is prefetched.
+template <int G, typename T>
+void scores_of(const Task<T>& a, float scale, float* qf, float* scores, int64_t L) {
+  for (int64_t i = 0; i < G * a.D; ++i) qf[i] = float(a.q[i]) * scale;
+  const int64_t blocks = (a.len + a.bs - 1) / a.bs;
+  for (int64_t w = 0; w < blocks; ++w) {
+    if (w + 1 < blocks) prefetch(a.k + a.table[w + 1] * a.k_block, a.D * a.bs);
+    prefetch(a.v + a.table[w] * a.v_block, a.bs * a.D);
+    for (int64_t c = 0; c < a.bs; c += VL) {
+      const T* kp = a.k + a.table[w] * a.k_block + c;
+      Vec acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = Vec(0.f);
+      for (int64_t d = 0; d < a.D; ++d) {
+        const Vec x = load(kp + d * a.kd);
+        for (int g = 0; g < G; ++g) acc[g] = at::vec::fmadd(Vec(qf[g * a.D + d]), x, acc[g]);
+      }
+      for (int g = 0; g < G; ++g) store(acc[g], scores + g * L + w * a.bs + c);
+    }
+  }
+}
+
+// Each row of scores (len keys) becomes exp(score - max); returns 1 / sum.
+float softmax_numerators(float* s, int64_t len) {
+  Vec mv(-INFINITY);
+  int64_t t = 0;
+  for (; t + VL <= len; t += VL) mv = at::vec::maximum(mv, Vec::loadu(s + t));
+  float m = at::vec::vec_reduce_all<float>(
+      [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, mv);
+  for (; t < len; ++t) m = std::max(m, s[t]);
+  Vec sum(0.f);
+  for (t = 0; t + VL <= len; t += VL) {
+    const Vec e = (Vec::loadu(s + t) - Vec(m)).exp_u20();
+    e.store(s + t);
+    sum = sum + e;
+  }
+  float total = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
+  for (; t < len; ++t) {
+    s[t] = std::exp(s[t] - m);
+    total += s[t];
+  }
+  return 1.f / total;
+}
+
+// out[g] = inv[g] * sum_t p[g][t] v[t], DC vectors of the head dimension at a time, held in
+// registers across all of the sequence's keys.
+template <int G, int DC, typename T>
+void weighted_values(const Task<T>& a, const float* p, const float* inv, int64_t L) {
+  const int64_t blocks = (a.len + a.bs - 1) / a.bs;
+  for (int64_t d0 = 0; d0 < a.D; d0 += DC * VL) {
+    Vec acc[G][DC];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < DC; ++c) acc[g][c] = Vec(0.f);
+    for (int64_t w = 0; w < blocks; ++w) {
+      const T* vp = a.v + a.table[w] * a.v_block + d0;
+      const float* pw = p + w * a.bs;
+      for (int64_t t = 0, n = std::min(a.bs, a.len - w * a.bs); t < n; ++t) {
+        for (int c = 0; c < DC; ++c) {
+          const Vec x = load(vp + t * a.vt + c * VL);
+          for (int g = 0; g < G; ++g) acc[g][c] = at::vec::fmadd(Vec(pw[g * L + t]), x, acc[g][c]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < DC; ++c) store(acc[g][c] * Vec(inv[g]), a.out + g * a.D + d0 + c * VL);
+  }
+}
+
+template <int G, typename T>
+void attend(const Task<T>& a, float scale, float* qf, float* scores, int64_t L) {
+  scores_of<G>(a, scale, qf, scores, L);
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = softmax_numerators(scores + g * L, a.len);
+  if (a.D % (4 * VL) == 0) {
+    weighted_values<G, 4>(a, scores, inv, L);
+  } else {
+    weighted_values<G, 1>(a, scores, inv, L);
+  }
+}
+
+template <typename T>
+void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& tables, const at::Tensor& seq_lens, double scale,
+                at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), Hk = k_cache.size(2), G = Hq / Hk, W = tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = seq_lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), scores(G * W * bs);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / Hk, h = i % Hk;
+      const Task<T> a{qp + (b * Hq + h * G) * D, kp + h * k_cache.stride(2),
+                      vp + h * v_cache.stride(2), tp + b * W, lp[b], D, bs,
+                      k_cache.stride(0), k_cache.stride(3), v_cache.stride(0),
+                      v_cache.stride(1), op + (b * Hq + h * G) * D};
+      switch (G) {
+#define BRAID_GROUP(N) case N: attend<N>(a, float(scale), qf.data(), scores.data(), W * bs); break;
+        BRAID_GROUP(1) BRAID_GROUP(2) BRAID_GROUP(3) BRAID_GROUP(4)
+        BRAID_GROUP(5) BRAID_GROUP(6) BRAID_GROUP(7) BRAID_GROUP(8)
+#undef BRAID_GROUP
+      }
+    }
+  });
+}
+
+// q: [B, Hq, D]; k_cache, v_cache: [blocks, bs, Hk, D] views whose keys are stored
+// [blocks, Hk, D, bs] and values [blocks, Hk, bs, D] (PagedAttention.allocate_cache,
+// tokens_innermost); block_tables: [B, W]; seq_lens: [B], each 1 to W * bs.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode_attention: q [B, Hq, D], caches [blocks, bs, Hk, D]");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0 &&
+                  q.size(1) / k_cache.size(2) <= 8,
+              "paged_decode_attention: head_dim must match and Hq be Hk times 1 to 8");
+  TORCH_CHECK(k_cache.stride(1) == 1 && v_cache.stride(3) == 1,
+              "paged_decode_attention: caches must be laid out tokens innermost");
+  TORCH_CHECK(k_cache.size(1) % VL == 0 && q.size(2) % VL == 0,
+              "paged_decode_attention: block size and head_dim must be multiples of ", VL);
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_decode_attention: q and caches of one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "paged_decode_attention: int64 block tables and lengths");
+  const at::Tensor qc = q.contiguous(), tables = block_tables.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  if (q.scalar_type() == at::kBFloat16) {
+    attend_all<at::BFloat16>(qc, k_cache, v_cache, tables, lens, scale, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode_attention: bf16 or fp32");
+    attend_all<float>(qc, k_cache, v_cache, tables, lens, scale, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(braid, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(braid, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
