@@ -202,3 +202,28 @@ def test_decode_kernel_matches_the_reference(heads, head_dim, dtype):
         values = attn.v_cache[block_tables[b]].flatten(0, 1)[:n]
         expected = reference(q[b:b + 1], keys, values, n - 1, head_dim ** -0.5)
         torch.testing.assert_close(out[b:b + 1].double(), expected, **tolerance)
+
+
+def test_decode_kernel_refuses_lengths_its_block_table_does_not_hold():
+    from braid.layers import decode_kernel
+
+    assert decode_kernel.load()
+    attn = paged_attention(4, 2, 16, tokens_innermost=True, num_blocks=4, block_size=16)
+    q = torch.randn(1, 4, 16)
+    for length in (0, 33):
+        with pytest.raises(RuntimeError, match=f"sequence 0 has {length} keys, outside 1 to"):
+            decode_kernel.paged_decode_attention(q, attn.k_cache, attn.v_cache,
+                                                 torch.tensor([[1, 2]]), torch.tensor([length]),
+                                                 0.25)
+
+
+def test_a_decode_kernel_that_cannot_be_built_warns(monkeypatch):
+    """No compiler or no ninja: a warning, and the compiled step keeps the traced kernel."""
+    from braid.layers import decode_kernel
+
+    def broken():
+        raise RuntimeError("ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(decode_kernel, "_build", broken)
+    with pytest.warns(UserWarning, match="decode attention kernel not built.*ninja is required"):
+        assert decode_kernel.load.__wrapped__() is False

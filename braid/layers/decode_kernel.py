@@ -32,18 +32,8 @@ _MAX_GROUP = 8  # query heads per KV head the kernel is instantiated for
 @functools.cache
 def load() -> bool:
     """Builds (or loads from cache) the operator; False, with a warning, where that fails."""
-    from torch.utils.cpp_extension import load as load_extension
-
-    if shutil.which("ninja") is None:  # the venv's ninja, when the venv is not activated
-        import ninja
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    capability = torch.backends.cpu.get_cpu_capability()
     try:
-        load_extension("braid_paged_decode_attention", [str(_SOURCE)],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp",
-                                     *_CAPABILITY_MACROS.get(capability, [])],
-                       extra_ldflags=["-fopenmp"], is_python_module=False)
+        _build()
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja: keep the traced kernel
         warnings.warn(f"decode attention kernel not built ({type(e).__name__}: "
                       f"{str(e)[:300]}); the compiled step uses the traced one", stacklevel=2)
@@ -54,6 +44,20 @@ def load() -> bool:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     return True
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load as load_extension
+
+    if shutil.which("ninja") is None:  # the venv's ninja, when the venv is not activated
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    capability = torch.backends.cpu.get_cpu_capability()
+    load_extension("braid_paged_decode_attention", [str(_SOURCE)],
+                   extra_cflags=["-O3", "-march=native", "-fopenmp",
+                                 *_CAPABILITY_MACROS.get(capability, [])],
+                   extra_ldflags=["-fopenmp"], is_python_module=False)
 
 
 def fits(heads: int, k_cache: torch.Tensor) -> bool:

@@ -173,8 +173,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "paged_decode_attention: q and caches of one dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "paged_decode_attention: int64 block tables and lengths");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
+                  seq_lens.numel() == q.size(0),
+              "paged_decode_attention: a block table row and a length per sequence");
   const at::Tensor qc = q.contiguous(), tables = block_tables.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= tables.size(1) * k_cache.size(1),
+                "paged_decode_attention: sequence ", b, " has ", lp[b],
+                " keys, outside 1 to its block table's ", tables.size(1) * k_cache.size(1));
+  }
   at::Tensor out = at::empty_like(qc);
   if (q.scalar_type() == at::kBFloat16) {
     attend_all<at::BFloat16>(qc, k_cache, v_cache, tables, lens, scale, out);
