@@ -2,9 +2,9 @@
 operator (`csrc/paged_decode_attention.cpp`), for the compiled decode step on CPU.
 
 Inductor's code for the same reductions (`traced_decode_attention`) is bound by add latency and
-memory stalls: 430-560 us a layer for 32 sequences of 160 keys (SmolLM2's 9 query and 3 KV
+memory stalls: 500-610 us a layer for 32 sequences of 160 keys (SmolLM2's 9 query and 3 KV
 heads, bf16, 2-core Zen 5, 30 layers' caches so that they come from memory), where this
-kernel takes 210-320 us, and 85-90 us with the cache in L2. It is built on first use with the
+kernel takes 160-220 us (85-110 us with one layer's cache, from L3). It is built on first use with the
 host's compiler for the host's vector ISA (as inductor builds its kernels; `--compile on`
 needs that compiler anyway), about 30 s, then loaded from torch's extension cache
 (`~/.cache/torch_extensions`). Where it cannot be built the step keeps the traced kernel.
