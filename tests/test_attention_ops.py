@@ -190,7 +190,7 @@ def test_decode_kernel_matches_the_reference(heads, head_dim, dtype):
     block_tables = torch.randperm(24, generator=gen)[:4 * width].view(4, width)
     lengths = [77, 32, 1, 50]
     q = torch.randn(4, hq, head_dim, generator=gen).to(dtype)
-    assert decode_kernel.fits(hq, attn.k_cache)
+    assert decode_kernel.attention_fits(hq, attn.k_cache)
     out = decode_kernel.paged_decode_attention(q, attn.k_cache, attn.v_cache, block_tables,
                                                torch.tensor(lengths), head_dim ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
@@ -225,5 +225,5 @@ def test_a_decode_kernel_that_cannot_be_built_warns(monkeypatch):
         raise RuntimeError("ninja is required to load C++ extensions")
 
     monkeypatch.setattr(decode_kernel, "_build", broken)
-    with pytest.warns(UserWarning, match="decode attention kernel not built.*ninja is required"):
+    with pytest.warns(UserWarning, match="decode step kernels not built.*ninja is required"):
         assert decode_kernel.load.__wrapped__() is False

@@ -137,14 +137,85 @@ def test_decode_attention_uses_the_kernel_where_the_cache_fits_it(tiny_model):
     """The C++ decode operator reads the tokens-innermost layout the compiled step allocates;
     a token-major cache keeps the traced kernel."""
     layers = tiny_model.attention_layers()
-    compiled_step.use_decode_kernel(tiny_model)  # the fixture's caches are token-major
+    compiled_step.use_decode_kernels(tiny_model)  # the fixture's caches are token-major
     assert not any(attn.use_decode_kernel for attn in layers)
     try:
         for attn in layers:
             attn.allocate_cache(4, 16, torch.bfloat16, torch.device("cpu"), tokens_innermost=True)
-        compiled_step.use_decode_kernel(tiny_model)
+        compiled_step.use_decode_kernels(tiny_model)
         assert all(attn.use_decode_kernel for attn in layers)
     finally:
         for attn in layers:
             attn.allocate_cache(4, 16, torch.bfloat16, torch.device("cpu"))
             attn.use_decode_kernel = False
+
+
+needs_avx512_bf16 = pytest.mark.skipif("avx512_bf16" not in compiled_step.cpu_flags(),
+                                       reason="the GEMV operator needs AVX512-BF16")
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("rows, columns", [(3072, 576), (45, 64), (7, 1536), (13, 96)])
+def test_the_gemv_operator_matches_the_reference(rows, columns):
+    """One row against a row-major weight, bf16 or int8 with scales, against the fp64
+    product: 8 rows at a time, then the remainder (45, 7, 13) one by one; int8 rows a cache
+    line at a time, then the rest of a row (96) in chunks."""
+    from braid.layers import decode_kernel
+    from braid.layers.quant import Int8Weight
+
+    assert decode_kernel.load()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, columns, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(rows, columns, generator=gen).to(torch.bfloat16)
+    int8 = Int8Weight.quantize(weight)
+    assert decode_kernel.gemv_fits(weight) and decode_kernel.gemv_fits(int8.values)
+    for out, dense in ((decode_kernel.gemv(x, weight), weight.double()),
+                       (decode_kernel.gemv(x, int8.values, int8.scales),
+                        int8.dequantize().double())):
+        assert out.dtype == torch.bfloat16 and out.shape == (1, rows)
+        # fp32 sums rounded once to bf16 (2^-8 relative) at the end
+        torch.testing.assert_close(out.double(), x.double() @ dense.t(),
+                                   atol=1e-3 * columns ** 0.5, rtol=2 ** -8)
+
+
+@needs_avx512_bf16
+def test_the_gemv_operator_refuses_what_it_does_not_compute():
+    from braid.layers import decode_kernel
+
+    assert decode_kernel.load()
+    weight = torch.zeros(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="one input row"):
+        decode_kernel.gemv(torch.zeros(2, 64, dtype=torch.bfloat16), weight)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        decode_kernel.gemv(torch.zeros(1, 48, dtype=torch.bfloat16), weight[:, :48].clone())
+    with pytest.raises(RuntimeError, match="a bf16 scale per output row"):
+        decode_kernel.gemv(torch.zeros(1, 64, dtype=torch.bfloat16),
+                           torch.zeros(8, 64, dtype=torch.int8), torch.ones(4))
+    assert not decode_kernel.gemv_fits(weight.float())
+    assert not decode_kernel.gemv_fits(weight.t())
+    assert not decode_kernel.gemv_fits(torch.zeros(8, 40, dtype=torch.int8))
+
+
+@needs_avx512_bf16
+def test_one_row_products_in_a_compiled_graph_take_the_gemv(tiny_model):
+    """The linear layers' one-row products take the operator when traced, several rows keep
+    the dense GEMM; the results agree with eager."""
+    from braid.layers.quant import linear
+
+    compiled_step.use_decode_kernels(tiny_model)
+    assert all(m.gemv for m in tiny_model.modules() if isinstance(m, Quantizable))
+    weight = torch.randn(96, 64).to(torch.bfloat16)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append({str(node.target) for node in gm.graph.nodes})
+        return gm.forward
+
+    @torch.compile(backend=record, fullgraph=True, dynamic=False)
+    def product(x):
+        return linear(x, weight, gemv=True)
+
+    for rows in (1, 3):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        torch.testing.assert_close(product(x), linear(x, weight), atol=2e-2, rtol=2 ** -7)
+    assert ["braid.gemv_bf16" in targets for targets in graphs] == [True, False]

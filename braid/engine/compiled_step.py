@@ -11,7 +11,7 @@ bandwidth. Measured on the 2-core AVX-512 host, per step in process:
 bf16 batch 1 went from 27.5 to 15.0 ms and batch 32 from 59 to 46 ms; int8 batch 1 from 21.6
 to 11.6 ms and batch 32 to 43 ms.
 
-Decode attention in the graph is `decode_kernel`'s C++ operator (`use_decode_kernel`), or
+Decode attention in the graph is `decode_kernel`'s C++ operator (`use_decode_kernels`), or
 `traced_decode_attention` where it does not fit or cannot be built: reductions that read the
 keys through the block table, which inductor fuses (no gathered copy of the keys). The traced
 kernel took the step from 15.0 to 12.1 ms at batch 1 (inductor's lowering of the gathers and
@@ -86,13 +86,21 @@ def inductor_config(model: nn.Module, one_sequence: bool) -> dict:
     return _INDUCTOR_CONFIG
 
 
-def use_decode_kernel(model: nn.Module) -> None:
-    """Decode attention through `decode_kernel` in every layer it fits, where it builds."""
-    layers = [attn for attn in model.attention_layers()
-              if len(attn.runs) == 1 and decode_kernel.fits(attn.num_heads, attn.k_cache)]
-    if layers and decode_kernel.load():
-        for attn in layers:
+def use_decode_kernels(model: nn.Module) -> None:
+    """`decode_kernel`'s operators wherever they fit, if they build: decode attention in every
+    attention layer, the GEMV in every linear layer (the LM head included) for the weight its
+    one-row product reads, int8 or dense."""
+    attention = [attn for attn in model.attention_layers()
+                 if len(attn.runs) == 1
+                 and decode_kernel.attention_fits(attn.num_heads, attn.k_cache)]
+    linears = [layer for layer in model.modules() if isinstance(layer, Quantizable)
+               and decode_kernel.gemv_fits(layer.int8.values if layer.int8 is not None
+                                           else layer.quantizable_weight())]
+    if (attention or linears) and decode_kernel.load():
+        for attn in attention:
             attn.use_decode_kernel = True
+        for layer in linears:
+            layer.gemv = True
 
 
 def step_compile_applies(mode: str, device: str, world_size: int, model: nn.Module) -> bool:
@@ -120,7 +128,7 @@ class CompiledDecodeStep:
         for attn in model.attention_layers():
             torch._dynamo.mark_static(attn.k_cache)
             torch._dynamo.mark_static(attn.v_cache)
-        use_decode_kernel(model)
+        use_decode_kernels(model)
         self.announce = announce
         self._inductor_configs = {one: inductor_config(model, one) for one in (True, False)}
         self._forward = torch.compile(self._logits, dynamic=True)

@@ -47,8 +47,8 @@ class PagedAttention(nn.Module):
         self.scale = head_dim ** -0.5
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        # Set by the compiled decode step where `decode_kernel.fits`: its decode attention is
-        # then the C++ operator instead of `traced_decode_attention`.
+        # Set by the compiled decode step where `decode_kernel.attention_fits`: its decode
+        # attention is then the C++ operator instead of `traced_decode_attention`.
         self.use_decode_kernel = False
 
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -1,10 +1,20 @@
-"""`torch.ops.braid.paged_decode_attention`: decode attention over the paged KV cache as one C++
-operator (`csrc/paged_decode_attention.cpp`), for the compiled decode step on CPU.
+"""The compiled decode step's C++ operators on CPU, built together into one library:
+
+- `torch.ops.braid.paged_decode_attention`: decode attention over the paged KV cache
+  (`csrc/paged_decode_attention.cpp`);
+- `torch.ops.braid.gemv_bf16` and `gemv_int8`: a linear layer's product for one row with its
+  row-major bf16 weight or its int8 one (`csrc/gemv.cpp`), on CPUs with AVX512-BF16.
 
 Inductor's code for the same reductions (`traced_decode_attention`) is bound by add latency and
 memory stalls: 500-610 us a layer for 32 sequences of 160 keys (SmolLM2's 9 query and 3 KV
 heads, bf16, 2-core Zen 5, 30 layers' caches so that they come from memory), where this
-kernel takes 160-220 us (85-110 us with one layer's cache, from L3). It is built on first use with the
+kernel takes 160-220 us (85-110 us with one layer's cache, from L3).
+
+At one row a GEMM streams its weight. Measured the same way (30 layers' weights, 2 threads),
+oneDNN's packed bf16 GEMM takes 93-105 / 48-50 / 34-41 us for SmolLM2's gate_up / down / qkv
+and 1.3-1.7 ms for the LM head, where the GEMV takes 73-81 / 30-33 / 17-30 us and 1.2-1.7 ms.
+
+The library is built on first use with the
 host's compiler for the host's vector ISA (as inductor builds its kernels; `--compile on`
 needs that compiler anyway), about 30 s, then loaded from torch's extension cache
 (`~/.cache/torch_extensions`). Where it cannot be built the step keeps the traced kernel.
@@ -20,28 +30,41 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.cpp"
+from braid.config import cpu_flags
+
+_SOURCES = [Path(__file__).with_name("csrc") / name
+            for name in ("paged_decode_attention.cpp", "gemv.cpp")]
 # torch's vector ISA (what at::vec compiles to) -> the macro that selects it
 _CAPABILITY_MACROS = {"AVX512": ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
                       "AVX2": ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]}
 # Block sizes and head dims must be multiples of the vector width (16 floats at most).
 _VECTOR_FLOATS = 16
 _MAX_GROUP = 8  # query heads per KV head the kernel is instantiated for
+# elements of a weight row the GEMV reads per instruction: its K must be a multiple
+_GEMV_CHUNK = {torch.bfloat16: 32, torch.int8: 16}
 
 
 @functools.cache
 def load() -> bool:
-    """Builds (or loads from cache) the operator; False, with a warning, where that fails."""
+    """Builds (or loads from cache) the operators; False, with a warning, where that fails."""
     try:
         _build()
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja: keep the traced kernel
-        warnings.warn(f"decode attention kernel not built ({type(e).__name__}: "
-                      f"{str(e)[:300]}); the compiled step uses the traced one", stacklevel=2)
+        warnings.warn(f"decode step kernels not built ({type(e).__name__}: {str(e)[:300]}); "
+                      f"the compiled step uses traced attention and oneDNN's GEMMs", stacklevel=2)
         return False
 
     @torch.library.register_fake("braid::paged_decode_attention")
     def _(q, k_cache, v_cache, block_tables, seq_lens, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("braid::gemv_bf16")
+    def _(x, weight):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("braid::gemv_int8")
+    def _(x, values, scales):
+        return x.new_empty(x.shape[0], values.shape[0])
 
     return True
 
@@ -54,13 +77,13 @@ def _build() -> None:
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     capability = torch.backends.cpu.get_cpu_capability()
-    load_extension("braid_paged_decode_attention", [str(_SOURCE)],
+    load_extension("braid_decode_kernels", [str(source) for source in _SOURCES],
                    extra_cflags=["-O3", "-march=native", "-fopenmp",
                                  *_CAPABILITY_MACROS.get(capability, [])],
                    extra_ldflags=["-fopenmp"], is_python_module=False)
 
 
-def fits(heads: int, k_cache: torch.Tensor) -> bool:
+def attention_fits(heads: int, k_cache: torch.Tensor) -> bool:
     """Whether the operator handles `heads` query heads over this key cache (tokens-innermost
     layout, bf16 or fp32, aligned sizes, at most `_MAX_GROUP` query heads per KV head)."""
     _, block_size, kv_heads, head_dim = k_cache.shape
@@ -77,3 +100,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_tables: [B, W] int64; seq_lens: [B] int64 keys per sequence -> [B, Hq, D]."""
     return torch.ops.braid.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                                   scale)
+
+
+def gemv_fits(weight: torch.Tensor) -> bool:
+    """Whether the GEMV takes this weight: row-major bf16, or int8 values, on a CPU with
+    AVX512-BF16 (where it was measured faster; the library is built for the host's ISA)."""
+    return (weight.device.type == "cpu" and weight.dtype in _GEMV_CHUNK
+            and weight.dim() == 2 and weight.is_contiguous()
+            and weight.shape[1] % _GEMV_CHUNK[weight.dtype] == 0
+            and "avx512_bf16" in cpu_flags())
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor,
+         scales: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [1, K] bf16; weight: [N, K] row-major, bf16, or int8 with `scales` [N] (bf16) ->
+    x @ (scales * weight).T, [1, N] bf16."""
+    if scales is None:
+        return torch.ops.braid.gemv_bf16(x, weight)
+    return torch.ops.braid.gemv_int8(x, weight, scales)

@@ -76,7 +76,7 @@ class ParallelLMHead(nn.Module, Quantizable):
         if (self.packed is not None or int8_applies(hidden, self.int8)
                 or torch.compiler.is_compiling()):
             rows = linear(hidden, self.quantizable_weight(), int8=self.int8,
-                          packed=self.packed)  # [tokens, vocab]
+                          packed=self.packed, gemv=self.gemv)  # [tokens, vocab]
             if self.comm.world_size == 1:
                 return rows
             local = rows.t()

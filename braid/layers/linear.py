@@ -45,7 +45,7 @@ class ReplicatedLinear(nn.Module, Quantizable):
         _copy_checked(param.data, weight.load(), "replicated weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.int8, packed=self.packed)
+        return linear(x, self.weight, self.bias, self.int8, packed=self.packed, gemv=self.gemv)
 
 
 class DataParallelLinear(nn.Module, Quantizable):
@@ -76,7 +76,7 @@ class DataParallelLinear(nn.Module, Quantizable):
                       f"fused replicated part {shard_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, int8=self.int8, packed=self.packed)
+        return linear(x, self.weight, int8=self.int8, packed=self.packed, gemv=self.gemv)
 
     def forward_async(self, x: torch.Tensor) -> Handle:
         """Start the token-split product; `wait()` returns all rows, as `forward(x)` would."""
@@ -125,7 +125,7 @@ class ColumnParallelLinear(nn.Module, Quantizable):
                       f"column shard {shard_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.int8, packed=self.packed)
+        return linear(x, self.weight, self.bias, self.int8, packed=self.packed, gemv=self.gemv)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -177,5 +177,5 @@ class RowParallelLinear(nn.Module, Quantizable):
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         bias = self.bias if self.comm.rank == 0 else None
-        y = linear(x, self.weight, bias, self.int8, out, self.packed)
+        y = linear(x, self.weight, bias, self.int8, out, self.packed, self.gemv)
         return self.comm.all_reduce(y) if self.reduce else y

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from braid.config import cpu_flags
+from braid.layers import decode_kernel
 
 INT8_MAX_ROWS = 4  # GEMMs of at most this many rows use the int8 weights
 # Whether the compiled decode step's graph for several sequences reads int8 weights (see
@@ -64,6 +65,9 @@ class Quantizable:
     # False where other code reads the weight as a matrix (MLA's kv_b_proj), or where the
     # row-major weight is the faster GEMM operand (the LM head under tensor parallelism)
     packable = True
+    # Set by the compiled decode step where `decode_kernel.gemv_fits` the weight its one-row
+    # GEMM reads (int8 or dense): that GEMM is then braid's GEMV operator
+    gemv = False
 
     def quantizable_weight(self) -> torch.Tensor:
         return self.weight
@@ -85,13 +89,24 @@ def int8_applies(x: torch.Tensor, int8: Int8Weight | None) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
            int8: Int8Weight | None = None, out: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: torch.Tensor | None = None, gemv: bool = False) -> torch.Tensor:
     """`F.linear`, through the int8 weights where `int8_applies`, else through the packed
-    weight where there is one (then `weight` is None); written into `out` where given (the
-    int8 and oneDNN kernels return a new tensor, copied once: a few rows where it matters)."""
+    weight where there is one (then `weight` is None); with `gemv`, a row traced into the
+    compiled step goes through `decode_kernel.gemv` instead (int8 or dense). Written into
+    `out` where given (the int8, oneDNN and GEMV kernels return a new tensor, copied once: a few
+    rows where it matters)."""
+    one_traced_row = (gemv and torch.compiler.is_compiling() and x.dim() == 2
+                      and x.shape[0] == 1)
     if int8_applies(x, int8):
-        y = torch.ops.aten._weight_int8pack_mm(x, int8.values, int8.scales)
+        if one_traced_row:
+            y = decode_kernel.gemv(x, int8.values, int8.scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x, int8.values, int8.scales)
         return y if bias is None else y + bias
+    if one_traced_row:
+        y = decode_kernel.gemv(x, weight)
+        y = y if bias is None else y + bias
+        return y if out is None else out.copy_(y)
     if packed is not None:
         rows = x.reshape(-1, x.shape[-1])
         y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
