@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -24,6 +26,10 @@ def echo(rank, world_size, conn):
         total = torch.tensor([float(value)])
         dist.all_reduce(total)
         conn.send(("ok", (rank, total.item())))
+
+
+def report_environment(rank, world_size, conn, names):
+    conn.send(("ok", {name: os.environ.get(name) for name in names}))
 
 
 def shm_against_gloo(rank, world_size, conn, segment):

@@ -16,7 +16,7 @@ import pytest
 import rank_targets
 from driver_utils import driver_process, kill_and_wait_for_ranks
 
-from braid.distributed.launch import RankFailure, RankGroup, cores_for_rank
+from braid.distributed.launch import RANK_ENV, RankFailure, RankGroup, cores_for_rank
 
 TESTS = Path(__file__).parent
 
@@ -26,6 +26,21 @@ def test_cores_are_shared_out_per_rank():
     assert cores_for_rank(1, 2, [0, 1]) == [1]
     assert cores_for_rank(1, 2, [0, 1, 2, 3]) == [2, 3]
     assert cores_for_rank(2, 3, [0, 1]) == [0]  # oversubscribed: wraps around, one core each
+
+
+def test_ranks_start_with_the_rank_environment_unless_the_user_set_it(monkeypatch):
+    """libgomp's spin and glibc's malloc settings reach the ranks (they are read at start-up);
+    a value the user exported wins, and the launching process's environment is left as it
+    was."""
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "7")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    group = RankGroup(1, rank_targets.report_environment, (list(RANK_ENV),))
+    try:
+        [seen] = group.gather(timeout=60)
+    finally:
+        group.close()
+    assert seen == {**RANK_ENV, "MALLOC_MMAP_MAX_": "7"}
+    assert "GOMP_SPINCOUNT" not in os.environ
 
 
 def test_ranks_run_collectives_and_stop_cleanly():

@@ -26,10 +26,17 @@ from typing import NoReturn
 from braid.config import UserError, usable_cores
 
 POLL_S = 0.05
-# glibc malloc settings for rank processes: keep freed memory instead of returning large blocks
-# to the OS, so each step's activations reuse warm pages rather than page-faulting fresh ones
-# (a prefill's MLP spent more time in page faults than in its elementwise work without this).
-RANK_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+# Settings read at start-up by a rank process's libraries, where the user has not set them:
+# - glibc malloc keeps freed memory instead of returning large blocks to the OS, so each step's
+#   activations reuse warm pages rather than page-faulting fresh ones (a prefill's MLP spent
+#   more time in page faults than in its elementwise work without this);
+# - libgomp's idle threads spin for longer (about 0.25 s on a 2-core Zen 5, against its default
+#   of a few ms) before they sleep: a compiled decode step of one sequence runs ~120 parallel
+#   GEMVs with serial gaps between them, and waking sleeping threads for them cost a quarter of
+#   the step (`bench-one-batch --compile on`, bs 1: 1.15-1.32x decode with this; Hugging Face
+#   in the same rank process 0.99x). An idle engine's threads still go to sleep.
+RANK_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+            "GOMP_SPINCOUNT": "10000000"}
 # Errors a rank gets when a peer died under it, as opposed to the peer's own error.
 _PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
@@ -145,7 +152,7 @@ class RankGroup:
                 target=_rank_entry, daemon=True, name=f"braid-rank-{rank}",
                 args=(target, rank, world_size, self._store.port,
                       cores_for_rank(rank, world_size, cores), child, args))
-            with _environment(RANK_MALLOC_ENV):  # read by the child's malloc at start-up
+            with _environment(RANK_ENV):  # read by the child's libraries at start-up
                 proc.start()
             child.close()
             self.conns.append(parent)
