@@ -100,8 +100,9 @@ def use_decode_kernels(model: nn.Module) -> None:
                  if len(attn.runs) == 1
                  and decode_kernel.attention_fits(attn.num_heads, attn.k_cache)]
     linears = [layer for layer in model.modules() if isinstance(layer, Quantizable)
-               and decode_kernel.gemv_fits(layer.int8.values if layer.int8 is not None
-                                           else layer.quantizable_weight())]
+               and (decode_kernel.gemv_fits(layer.quantizable_weight()) if layer.int8 is None
+                    else layer.int8.scales.dtype == torch.bfloat16  # not an fp16 model's
+                    and decode_kernel.gemv_fits(layer.int8.values))]
     if (attention or linears) and decode_kernel.load():
         for attn in attention:
             attn.use_decode_kernel = True
