@@ -9,6 +9,7 @@ from braid.distributed.comm import Communicator
 from braid.layers.fused import silu_mul
 from braid.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from braid.layers.partition import split_range
+from braid.layers.quant import gated_silu, int8_applies
 
 # Checkpoint names of the fused gate/up projection: (our segment, checkpoint segment, shard id),
 # for a model's `stacked_params`.
@@ -28,6 +29,12 @@ class GatedMLP(nn.Module):
             intermediate_size, hidden_size, comm,
             in_range=split_range(intermediate_size, comm.world_size, comm.rank), reduce=False,
             dtype=dtype)
+        self.gate_up_proj.gated = True
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(hidden)), out)
+        gate_up = self.gate_up_proj
+        if gate_up.packed_halves is not None and not int8_applies(hidden, gate_up.int8):
+            activation = gated_silu(hidden, *gate_up.packed_halves)
+        else:
+            activation = silu_mul(gate_up(hidden))
+        return self.down_proj(activation, out)
