@@ -1,12 +1,14 @@
 """The weight forms a linear layer's GEMM reads, made at load time from any checkpoint.
 
 **Packed bf16 (CPU, default).** oneDNN's blocked copy of each bf16 linear weight replaces the
-row-major one: the GEMM no longer reorders the weight on every call. A SwiGLU's merged
-gate/up weight is packed as its two halves, and `gated_silu` applies SiLU and the product in
-the two GEMMs' oneDNN epilogues (prefill 8 x 512 1.08x on AMX). Measured on AMX (2 cores,
+row-major one: the GEMM no longer reorders the weight on every call. Measured on AMX (2 cores,
 SmolLM2's shapes, weights streamed from memory): 1.4x faster at 1-128 rows, 2.7x at 256 (where
 the row-major GEMM takes a slow path), equal at 512-2048; bit-identical results. fp32 keeps the
 row-major weights (oneDNN's packed fp32 GEMM was not faster). `--no-weight-packing` turns it off.
+A SwiGLU's merged gate/up weight is packed as its two halves instead, and `gated_silu` applies
+SiLU and the product in the two GEMMs' oneDNN epilogues: prefill 8 x 512 1.08x on AMX, but eager
+decode steps 0.95-0.97x at 1 row and 0.98-0.99x at 32 (two GEMM calls instead of one; the
+compiled decode step, `--compile on`, reads row-major weights and is unaffected).
 
 **int8 (`--quantization int8`).** Each linear layer's weight gets an int8 copy, symmetric per
 output channel (`scale = max |w| / 127`), quantised from this rank's shard. A GEMM of a few rows
