@@ -6,10 +6,9 @@ import torch
 from torch import nn
 
 from braid.distributed.comm import Communicator
-from braid.layers.fused import silu_mul
 from braid.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from braid.layers.partition import split_range
-from braid.layers.quant import gated_silu, int8_applies
+from braid.layers.quant import swiglu
 
 # Checkpoint names of the fused gate/up projection: (our segment, checkpoint segment, shard id),
 # for a model's `stacked_params`.
@@ -32,9 +31,4 @@ class GatedMLP(nn.Module):
         self.gate_up_proj.gated = True
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj
-        if gate_up.packed_halves is not None and not int8_applies(hidden, gate_up.int8):
-            activation = gated_silu(hidden, *gate_up.packed_halves)
-        else:
-            activation = silu_mul(gate_up(hidden))
-        return self.down_proj(activation, out)
+        return self.down_proj(swiglu(self.gate_up_proj, hidden), out)

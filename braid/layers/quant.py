@@ -32,6 +32,7 @@ from torch import nn
 
 from braid.config import cpu_flags
 from braid.layers import decode_kernel
+from braid.layers.fused import silu_mul
 
 INT8_MAX_ROWS = 4  # GEMMs of at most this many rows use the int8 weights
 # Whether the compiled decode step's graph for several sequences reads int8 weights (see
@@ -171,6 +172,15 @@ def pack_linear_layers(model: nn.Module) -> None:
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS)
+
+
+def swiglu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of a merged [gate | up] projection (`Quantizable.gated`), through the
+    weight form `linear` would read: the packed halves (`gated_silu`) where there are some and
+    the int8 weights do not apply, else the layer's product and `silu_mul`."""
+    if layer.packed_halves is not None and not int8_applies(x, layer.int8):
+        return gated_silu(x, *layer.packed_halves)
+    return silu_mul(layer(x))
 
 
 def gated_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
