@@ -12,6 +12,7 @@ import warnings
 from braid.config import (
     COMM_CHOICES,
     COMPILE_CHOICES,
+    KV_CACHE_DTYPES,
     DTYPE_CHOICES,
     SWITCH_CHOICES,
     EngineConfig,
@@ -66,6 +67,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=["none", "int8"], default="none",
                         help="int8: per-channel int8 copies of the linear weights, used by GEMMs "
                              "of a few rows (decode at small batch; bf16/fp16 models)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="int8: store keys and values as int8 with a scale per token and "
+                             "KV head (half the cache's bytes of bf16, faster decode attention "
+                             "over long contexts); auto: the model's dtype")
     parser.add_argument("--no-weight-packing", dest="weight_packing", action="store_false",
                         help="keep bf16 linear weights row-major on CPU instead of oneDNN's "
                              "blocked layout (which makes decode GEMMs about 1.4x faster)")
@@ -97,7 +102,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
                 dp_linear=args.dp_linear, dp_linear_min_tokens=args.dp_linear_min_tokens,
                 device=args.device, trace=args.trace, cache=args.cache,
-                quantization=args.quantization, weight_packing=args.weight_packing,
+                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                weight_packing=args.weight_packing,
                 compile=args.compile)
 
 

@@ -20,6 +20,9 @@ SWITCH_CHOICES = ["auto", "on", "off"]
 # --compile: torch.compile of the per-rank elementwise work (see braid.layers.fused) and, with
 # `on`, of the decode step (braid.engine.compiled_step).
 COMPILE_CHOICES = ["auto", "on", "off"]
+# --kv-cache-dtype: the model's dtype (auto), or int8 with one scale per token and KV head
+# (half the cache's bytes in bf16; braid.layers.attention's write_cache and gather_blocks).
+KV_CACHE_DTYPES = ["auto", "int8"]
 # `--dp-linear auto` from this many tokens per step. Measured (bench-dp-linear, the bench
 # preset's 2048 -> 2112 projection at tp 2): on the 2-core CPU host the token split already pays
 # at 32 tokens (0.79x per rank; 0.49-0.57x from 256); on an H200 the bf16 GEMM takes as long for
@@ -242,6 +245,7 @@ class EngineConfig:
     trace: str | None = None
     cache: bool = True  # braid's cache of derived checkpoint files (--no-cache: off)
     quantization: str = "none"  # "int8": int8 weight copies for GEMMs of few rows
+    kv_cache_dtype: str = "auto"  # "int8": keys and values as int8 with a scale per token, head
     weight_packing: bool = True  # oneDNN-blocked bf16 linear weights on CPU (braid.layers.quant)
     # torch.compile of the elementwise work: auto (CPU, lazily), on (at start, and the decode
     # step at tp 1 on CPU: braid.engine.compiled_step), off
@@ -285,6 +289,9 @@ class EngineConfig:
                             f"got {self.compile!r}")
         if self.quantization not in ("none", "int8"):
             raise UserError(f"--quantization must be none or int8, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise UserError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                            f"got {self.kv_cache_dtype!r}")
         if self.max_running_requests < 1:
             raise UserError("--max-running-requests must be at least 1")
         if self.max_total_tokens < self.block_size * 2:
@@ -293,6 +300,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """What the KV cache stores: the model's dtype, or int8 (with scales)."""
+        return torch.int8 if self.kv_cache_dtype == "int8" else self.torch_dtype
 
 
 def usable_cores() -> list[int]:

@@ -149,60 +149,116 @@ def test_both_cache_layouts_store_and_gather_the_same_tokens():
 
 
 @pytest.mark.parametrize("tokens_innermost", [False, True])
+def test_an_int8_cache_stores_each_row_within_half_its_scale(tokens_innermost):
+    """`--kv-cache-dtype int8`: a row is stored as int8 values, its largest magnitude as 127,
+    and one float32 scale; read back, every element is within half a scale of what was
+    written (an all-zero row stays zero), in either layout."""
+    from braid.layers.attention import gather_blocks, write_cache
+
+    gen = torch.Generator().manual_seed(0)
+    new = torch.randn(10, 3, 8, generator=gen) * torch.rand(10, 3, 1, generator=gen) * 10
+    new[2, 1] = 0
+    slots = torch.tensor([0, 1, 2, 3, 17, 18, 44, 45, 46, 47])
+    attn = paged_attention(9, 3, 8, tokens_innermost, dtype=torch.int8)
+    assert attn.k_cache.dtype == torch.int8 and attn.k_cache.shape == (12, 4, 3, 8)
+    assert attn.k_scales.dtype == torch.float32 and attn.k_scales.shape == (12, 4, 3)
+    write_cache(attn.k_cache, new, slots, attn.k_scales)
+    scales = attn.k_scales.reshape(-1, 3)[slots]
+    torch.testing.assert_close(scales, new.abs().amax(-1) / 127)
+    assert attn.k_cache.reshape(-1, 3, 8)[slots].abs().amax(-1).eq(
+        torch.where(scales > 0, 127, 0)).all()
+    stored = gather_blocks(attn.k_cache, torch.arange(12)[None], attn.k_scales, torch.float32)
+    error = (stored.reshape(-1, 3, 8)[slots] - new).abs()
+    assert (error <= scales[..., None] * 0.5 + 1e-6).all()
+    assert stored.reshape(-1, 3, 8)[slots][2, 1].eq(0).all()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("tokens_innermost", [False, True])
 @pytest.mark.parametrize("heads", HEADS)
-def test_traced_decode_attention_reads_the_blocks_the_table_names(heads, tokens_innermost):
-    """The compiled step's decode kernel, run eagerly, in either cache layout: keys indexed
-    through the block table give what the gathered blocks give."""
+def test_traced_decode_attention_reads_the_blocks_the_table_names(heads, tokens_innermost,
+                                                                  cache_dtype):
+    """The compiled step's decode kernel, run eagerly, in either cache layout, int8 or not:
+    keys indexed through the block table give what the gathered blocks give."""
     from braid.layers.attention import gather_blocks
 
     hq, hk = heads
     gen = torch.Generator().manual_seed(hk)
-    attn = paged_attention(hq, hk, 16, tokens_innermost)
-    attn.k_cache.copy_(torch.randn(12, 4, hk, 16, generator=gen))
-    attn.v_cache.copy_(torch.randn(12, 4, hk, 16, generator=gen))
+    attn = paged_attention(hq, hk, 16, tokens_innermost, dtype=cache_dtype)
+    fill_cache(attn, gen)
     block_tables = torch.tensor([[7, 2, 9], [0, 11, 0], [5, 0, 0]])
     lengths = [12, 5, 1]
     key_mask = (torch.arange(12)[None, :] < torch.tensor(lengths)[:, None])[:, None, None]
     q = torch.randn(3, hq, 16, generator=gen)
-    out = traced_decode_attention(q, attn.k_cache, attn.v_cache, block_tables, key_mask, 0.3)
-    expected = decode_attention(q, gather_blocks(attn.k_cache, block_tables),
-                                gather_blocks(attn.v_cache, block_tables), key_mask, 0.3)
+    out = traced_decode_attention(q, attn.k_cache, attn.v_cache, block_tables, key_mask, 0.3,
+                                  attn.k_scales, attn.v_scales)
+    keys = gather_blocks(attn.k_cache, block_tables, attn.k_scales, torch.float32)
+    values = gather_blocks(attn.v_cache, block_tables, attn.v_scales, torch.float32)
+    expected = decode_attention(q, keys, values, key_mask, 0.3)
     close(out, expected.double())
 
 
+def fill_cache(attn, gen: torch.Generator) -> None:
+    """Random rows of varied magnitude in every slot, through `write_cache` (quantized into an
+    int8 cache)."""
+    from braid.layers.attention import write_cache
+
+    blocks, block_size, heads, dim = attn.k_cache.shape
+    slots = torch.arange(blocks * block_size)
+    for cache, scales in ((attn.k_cache, attn.k_scales), (attn.v_cache, attn.v_scales)):
+        rows = torch.randn(len(slots), heads, dim, generator=gen)
+        rows *= torch.rand(len(slots), heads, 1, generator=gen) * 2
+        write_cache(cache, rows if scales is not None else rows.to(cache.dtype), slots, scales)
+
+
+@pytest.mark.parametrize("int8_cache", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (16, 2)])
 @pytest.mark.parametrize("head_dim", [64, 48])
-def test_decode_kernel_matches_the_reference(heads, head_dim, dtype):
+def test_decode_kernel_matches_the_reference(heads, head_dim, dtype, int8_cache):
     """The compiled step's C++ decode operator against the fp64 reference, through a shuffled
     block table, at lengths that end mid-block, on a block boundary and within the first
     block; head_dim 48 takes the path that accumulates one vector of it at a time. The
-    queries are a view of queries and keys, as the compiled step passes them."""
+    queries are a view of queries and keys, as the compiled step passes them. An int8 cache
+    is compared with the reference on the values it stores (its rows times their scales)."""
     from braid.layers import decode_kernel
+    from braid.layers.attention import gather_blocks
 
     assert decode_kernel.load()
     hq, hk = heads
     block_size, width = 16, 5
     gen = torch.Generator().manual_seed(hq)
     attn = paged_attention(hq, hk, head_dim, tokens_innermost=True, num_blocks=24,
-                           block_size=block_size, dtype=dtype)
-    attn.k_cache.copy_(torch.randn(24, block_size, hk, head_dim, generator=gen))
-    attn.v_cache.copy_(torch.randn(24, block_size, hk, head_dim, generator=gen))
+                           block_size=block_size, dtype=torch.int8 if int8_cache else dtype)
+    fill_cache(attn, gen)
     block_tables = torch.randperm(24, generator=gen)[:4 * width].view(4, width)
     lengths = [77, 32, 1, 50]
     q = torch.randn(4, hq + hk, head_dim, generator=gen).to(dtype)[:, :hq]
-    assert decode_kernel.attention_fits(hq, attn.k_cache)
+    assert decode_kernel.attention_fits(hq, attn.k_cache, dtype)
     out = decode_kernel.paged_decode_attention(q, attn.k_cache, attn.v_cache, block_tables,
-                                               torch.tensor(lengths), head_dim ** -0.5)
+                                               torch.tensor(lengths), head_dim ** -0.5,
+                                               attn.k_scales, attn.v_scales)
     assert out.dtype == dtype and out.shape == q.shape
     # bf16: the output's rounding (2^-8 relative) on values of order 1
     tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2,
                                                                             "rtol": 1e-2}
     for b, n in enumerate(lengths):
-        keys = attn.k_cache[block_tables[b]].flatten(0, 1)[:n]
-        values = attn.v_cache[block_tables[b]].flatten(0, 1)[:n]
+        table = block_tables[b:b + 1]
+        keys = gather_blocks(attn.k_cache, table, attn.k_scales, torch.float64)[0, :n]
+        values = gather_blocks(attn.v_cache, table, attn.v_scales, torch.float64)[0, :n]
         expected = reference(q[b:b + 1], keys, values, n - 1, head_dim ** -0.5)
         torch.testing.assert_close(out[b:b + 1].double(), expected, **tolerance)
+
+
+def test_decode_kernel_refuses_an_int8_cache_without_its_scales():
+    from braid.layers import decode_kernel
+
+    assert decode_kernel.load()
+    attn = paged_attention(4, 2, 16, tokens_innermost=True, num_blocks=4, block_size=16,
+                           dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="int8 caches come with their scales"):
+        decode_kernel.paged_decode_attention(torch.randn(1, 4, 16), attn.k_cache, attn.v_cache,
+                                             torch.tensor([[1]]), torch.tensor([3]), 0.25)
 
 
 def test_decode_kernel_refuses_lengths_its_block_table_does_not_hold():

@@ -117,13 +117,15 @@ def tiny_llama(tmp_path_factory, tokenizer) -> str:
 
 # The embedded model's decode step autotunes for minutes in fp32: the default suite runs the
 # same checks on a random two-layer Llama.
-@pytest.mark.parametrize("model", ["tiny_llama", pytest.param("model_path",
-                                                              marks=pytest.mark.slow)])
-def test_a_compiled_model_answers_as_the_eager_one(model, request, capfd):
+@pytest.mark.parametrize("model, kv_cache_dtype", [
+    ("tiny_llama", "auto"), ("tiny_llama", "int8"),
+    pytest.param("model_path", "auto", marks=pytest.mark.slow)])
+def test_a_compiled_model_answers_as_the_eager_one(model, kv_cache_dtype, request, capfd):
     """300 prompt tokens take the compiled kernels, and the decode steps the compiled step
     (`--compile on`: one graph for one sequence, one for several, a short prompt's padded
     block table included); logits and greedy tokens match eager (fp32, where both compute the
-    same sums)."""
+    same sums). With an int8 KV cache, eager decode attends over the dequantized blocks and
+    the compiled step's C++ operator over the int8 ones with their scales."""
     from braid import LLM, SamplingParams
 
     model_path = request.getfixturevalue(model)
@@ -133,7 +135,7 @@ def test_a_compiled_model_answers_as_the_eager_one(model, request, capfd):
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     results = {}
     for mode in ("off", "on"):
-        with LLM(model_path, dtype="fp32", compile=mode) as llm:
+        with LLM(model_path, dtype="fp32", compile=mode, kv_cache_dtype=kv_cache_dtype) as llm:
             results[mode] = (llm.prompt_logits(prompt)[0],
                              llm.generate([prompt[0]], params)[0].token_ids,
                              [out.token_ids for out in llm.generate(several, params)])

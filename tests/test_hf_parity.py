@@ -39,3 +39,28 @@ def test_safetensors_and_gguf_give_the_same_logits(model_path, safetensors_folde
         assert llm.encode("The capital of France is") == prompt_ids[1]
     for a, b in zip(from_gguf, from_folder):
         assert torch.allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_an_int8_kv_cache_stays_close_to_transformers(model_path, prompt_ids, hf_model,
+                                                      hf_reference):
+    """`--kv-cache-dtype int8` on the fp32 model at tp 2 (scales per rank's heads), prompts
+    prefilled 4 tokens a step (so each chunk attends over the int8 cache of its prefix): most
+    greedy tokens equal transformers', and while they agree, their logprobs stay close.
+    Measured: 121 of 128 tokens before the first difference, logprobs within 0.12 nats."""
+    _, ref_greedy = hf_reference
+    params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True, logprobs=0)
+    with LLM(model_path, tp=2, dtype="fp32", kv_cache_dtype="int8",
+             max_num_batched_tokens=4) as llm:
+        outputs = llm.generate(prompt_ids, params)
+    same = worst = 0
+    for ids, out, ref in zip(prompt_ids, outputs, ref_greedy):
+        tokens = out.token_ids
+        agree = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), len(ref))
+        same += agree
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([ids + tokens[:agree]])).logits[0, len(ids) - 1:-1]
+        expected = logits.float().log_softmax(-1).gather(-1, torch.tensor(tokens[:agree])[:, None])
+        ours = torch.tensor([lp.logprob for lp in out.outputs[0].logprobs[:agree]])
+        worst = max(worst, (ours - expected[:, 0]).abs().max().item())
+    assert same >= 0.75 * sum(len(ref) for ref in ref_greedy)
+    assert worst < 0.3

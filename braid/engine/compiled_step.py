@@ -96,9 +96,10 @@ def use_decode_kernels(model: nn.Module) -> None:
     """`decode_kernel`'s operators wherever they fit, if they build: decode attention in every
     attention layer, the GEMV in every linear layer (the LM head included) for the weight its
     one-row product reads, int8 or dense."""
+    dtype = next(model.parameters()).dtype
     attention = [attn for attn in model.attention_layers()
                  if len(attn.runs) == 1
-                 and decode_kernel.attention_fits(attn.num_heads, attn.k_cache)]
+                 and decode_kernel.attention_fits(attn.num_heads, attn.k_cache, dtype)]
     linears = [layer for layer in model.modules() if isinstance(layer, Quantizable)
                and (decode_kernel.gemv_fits(layer.quantizable_weight()) if layer.int8 is None
                     else layer.int8.scales.dtype == torch.bfloat16  # not an fp16 model's
@@ -133,8 +134,9 @@ class CompiledDecodeStep:
         # step's block-table width or batch equal to a cache size (2 KV heads, 16 tokens per
         # block) was unified with it and then pinned, and the next step recompiled.
         for attn in model.attention_layers():
-            torch._dynamo.mark_static(attn.k_cache)
-            torch._dynamo.mark_static(attn.v_cache)
+            for cache in (attn.k_cache, attn.v_cache, attn.k_scales, attn.v_scales):
+                if cache is not None:
+                    torch._dynamo.mark_static(cache)
         use_decode_kernels(model)
         self.announce = announce
         self._inductor_configs = {one: inductor_config(model, one) for one in (True, False)}

@@ -92,15 +92,16 @@ class ModelRunner:
                                                         self.device) for plan in plans]):
             self.compiled_step = None
         for attn in self.model.attention_layers():
-            attn.k_cache[0].zero_()
-            attn.v_cache[0].zero_()
+            for cache in (attn.k_cache, attn.v_cache, attn.k_scales, attn.v_scales):
+                if cache is not None:
+                    cache[0].zero_()
 
     def _allocate_kv_cache(self, tokens_innermost: bool) -> None:
         """`tokens_innermost`: the compiled decode step's layout (`PagedAttention` only)."""
         num_blocks = num_kv_blocks(self.engine.max_total_tokens, self.engine.block_size)
         layout = {"tokens_innermost": True} if tokens_innermost else {}
         for attn in self.model.attention_layers():
-            attn.allocate_cache(num_blocks, self.engine.block_size, self.engine.torch_dtype,
+            attn.allocate_cache(num_blocks, self.engine.block_size, self.engine.kv_torch_dtype,
                                 self.device, **layout)
 
     @torch.inference_mode()

@@ -25,7 +25,9 @@ class PagedAttention(nn.Module):
 
     The cache tensors (indexed as `[num_blocks, block_size, kv_heads, head_dim]`, whatever
     their layout: see `allocate_cache`) are attached by the model runner after it has sized
-    the cache.
+    the cache. An int8 cache (`--kv-cache-dtype int8`) comes with `k_scales` and `v_scales`,
+    `[num_blocks, block_size, kv_heads]` float32: a stored row is its int8 values times its
+    scale (`quantize_rows`).
     They start zeroed, so the unused tail of a sequence's last block holds finite values, which
     the length mask then excludes.
 
@@ -47,6 +49,8 @@ class PagedAttention(nn.Module):
         self.scale = head_dim ** -0.5
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
         # Set by the compiled decode step where `decode_kernel.attention_fits`: its decode
         # attention is then the C++ operator instead of `traced_decode_attention`.
         self.use_decode_kernel = False
@@ -54,6 +58,7 @@ class PagedAttention(nn.Module):
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device, tokens_innermost: bool = False) -> None:
         """Zeroed: masked-out keys must still be finite (0 * NaN would poison the output).
+        `dtype` int8 stores rows quantized, with their scales (laid out as the keys' tokens).
 
         Stored token-major by default. `tokens_innermost` is the compiled decode step's layout:
         the caches are views of `[blocks, kv_heads, head_dim, block_size]` keys and `[blocks,
@@ -71,21 +76,27 @@ class PagedAttention(nn.Module):
             shape = (blocks, block_size, heads, dim)
             self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_scales = self.v_scales = None
+        if dtype == torch.int8:
+            self.k_scales = row_scales(blocks, block_size, heads, device, tokens_innermost)
+            self.v_scales = row_scales(blocks, block_size, heads, device, tokens_innermost)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
-        write_cache(self.k_cache, k, batch.slot_mapping)
-        write_cache(self.v_cache, v, batch.slot_mapping)
+        write_cache(self.k_cache, k, batch.slot_mapping, self.k_scales)
+        write_cache(self.v_cache, v, batch.slot_mapping, self.v_scales)
         if torch.compiler.is_compiling():
             # A decode step traced whole (braid.engine.compiled_step).
             meta = batch.attn_groups[0].meta
             if self.use_decode_kernel:
                 return paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                              meta.seq_lens, self.scale).flatten(1)
+                                              meta.seq_lens, self.scale, self.k_scales,
+                                              self.v_scales).flatten(1)
             return padded_decode(traced_decode_attention, q, self.k_cache, self.v_cache,
-                                 meta.block_tables, meta.key_mask, self.scale,
-                                 padded=self.decode_padded, kept=self.decode_kept).flatten(1)
+                                 meta.block_tables, meta.key_mask, self.scale, self.k_scales,
+                                 self.v_scales, padded=self.decode_padded,
+                                 kept=self.decode_kept).flatten(1)
         return concat_groups([self._attend(q[g.tokens], k[g.tokens], v[g.tokens], g.meta)
                               for g in batch.attn_groups])
 
@@ -93,8 +104,8 @@ class PagedAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """One group of sequences (see `AttentionMetadata` for the three ways)."""
         if meta.decode:
-            keys = gather_blocks(self.k_cache, meta.block_tables)
-            values = gather_blocks(self.v_cache, meta.block_tables)
+            keys = gather_blocks(self.k_cache, meta.block_tables, self.k_scales, q.dtype)
+            values = gather_blocks(self.v_cache, meta.block_tables, self.v_scales, q.dtype)
             out = padded_decode(decode_attention, q, keys, values, meta.key_mask, self.scale,
                                 padded=self.decode_padded, kept=self.decode_kept)
         elif meta.equal_fresh:
@@ -114,8 +125,10 @@ class PagedAttention(nn.Module):
         if blocks is None:  # a fresh prompt: its keys are the new ones
             keys, values = k[rows], v[rows]
         else:
-            keys = gather_blocks(self.k_cache, blocks[None])[0, :meta.kv_lens[b]]
-            values = gather_blocks(self.v_cache, blocks[None])[0, :meta.kv_lens[b]]
+            keys = gather_blocks(self.k_cache, blocks[None], self.k_scales,
+                                 q.dtype)[0, :meta.kv_lens[b]]
+            values = gather_blocks(self.v_cache, blocks[None], self.v_scales,
+                                   q.dtype)[0, :meta.kv_lens[b]]
         if blocked_prefill_is_faster(q.dtype, q.device):
             return self._by_runs(blocked_causal_attention, q[rows][None], keys[None],
                                  values[None], self.scale)[0]
@@ -162,9 +175,38 @@ def padded_decode(kernel: Callable[..., torch.Tensor], q: torch.Tensor, *args: o
     return kernel(q.index_select(1, padded), *args).index_select(1, kept)
 
 
-def write_cache(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def row_scales(num_blocks: int, block_size: int, heads: int, device: torch.device,
+               tokens_innermost: bool = False) -> torch.Tensor:
+    """Zeroed float32 scales of an int8 cache, indexed `[num_blocks, block_size, heads]`; stored
+    `[num_blocks, heads, block_size]` when `tokens_innermost`, as the decode kernel reads them
+    next to the keys."""
+    if tokens_innermost:
+        return torch.zeros(num_blocks, heads, block_size, device=device).permute(0, 2, 1)
+    return torch.zeros(num_blocks, block_size, heads, device=device)
+
+
+def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., dim] -> (int8 values [..., dim], float32 scales [...]) with rows ~ values * scales:
+    symmetric, one scale per row (a token's head), its largest magnitude stored as 127. The
+    error is at most half a scale, about 0.4% of the row's largest element."""
+    x = rows.float()
+    scales = x.abs().amax(-1) / 127
+    divisors = scales.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    return (x / divisors).round_().to(torch.int8), scales
+
+
+def write_cache(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor,
+                scales: torch.Tensor | None = None) -> None:
     """Store the step's per-token rows `new` ([T, ...]) at their slots of a cache
-    ([num_blocks, block_size, ...], of either layout)."""
+    ([num_blocks, block_size, ...], of either layout); quantized (`quantize_rows`) into an int8
+    cache, whose `scales` take the rows' scales."""
+    if scales is not None:
+        new, new_scales = quantize_rows(new)
+        _store(scales, new_scales, slot_mapping)
+    _store(cache, new, slot_mapping)
+
+
+def _store(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     if cache.is_contiguous():
         cache.view(-1, *new.shape[1:])[slot_mapping] = new
     else:
@@ -177,10 +219,20 @@ def concat_groups(outputs: list[torch.Tensor]) -> torch.Tensor:
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[B, blocks] block ids -> [B, blocks * block_size, ...] (the cache's per-token shape), one
-    row copy per block (index_select on a 2-D view copies whole rows, several times faster than
-    fancy indexing or a gather along another dimension)."""
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor,
+                  scales: torch.Tensor | None = None,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[B, blocks] block ids -> [B, blocks * block_size, ...] (the cache's per-token shape); an
+    int8 cache's rows times their `scales`, in `dtype`."""
+    rows = _gather(cache, block_tables)
+    if scales is None:
+        return rows
+    return (rows.float() * _gather(scales, block_tables)[..., None]).to(dtype)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """One row copy per block (index_select on a 2-D view copies whole rows, several times
+    faster than fancy indexing or a gather along another dimension)."""
     if not cache.is_contiguous():  # the compiled step's layout, where only prompt steps gather
         return cache[block_tables].flatten(1, 2)
     num_blocks, block_size, *token_shape = cache.shape

@@ -55,7 +55,7 @@ def load() -> bool:
         return False
 
     @torch.library.register_fake("braid::paged_decode_attention")
-    def _(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    def _(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("braid::gemv_bf16")
@@ -83,23 +83,28 @@ def _build() -> None:
                    extra_ldflags=["-fopenmp"], is_python_module=False)
 
 
-def attention_fits(heads: int, k_cache: torch.Tensor) -> bool:
-    """Whether the operator handles `heads` query heads over this key cache (tokens-innermost
-    layout, bf16 or fp32, aligned sizes, at most `_MAX_GROUP` query heads per KV head)."""
+def attention_fits(heads: int, k_cache: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the operator handles `heads` query heads of `dtype` over this key cache
+    (tokens-innermost layout, bf16 or fp32 queries, a cache of their dtype or int8, aligned
+    sizes, at most `_MAX_GROUP` query heads per KV head)."""
     _, block_size, kv_heads, head_dim = k_cache.shape
-    return (k_cache.device.type == "cpu" and k_cache.dtype in (torch.bfloat16, torch.float32)
+    return (k_cache.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+            and k_cache.dtype in (dtype, torch.int8)
             and k_cache.stride(1) == 1 and block_size % _VECTOR_FLOATS == 0
             and head_dim % _VECTOR_FLOATS == 0 and heads % kv_heads == 0
             and heads // kv_heads <= _MAX_GROUP)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """q: [B, Hq, D]; caches: [blocks, block_size, Hk, D] views in the tokens-innermost layout;
-    block_tables: [B, W] int64; seq_lens: [B] int64 keys per sequence -> [B, Hq, D]."""
-    return torch.ops.braid.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                                  scale)
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           k_scales: torch.Tensor | None = None,
+                           v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, Hq, D]; caches: [blocks, block_size, Hk, D] views in the tokens-innermost layout,
+    of q's dtype, or int8 with their [blocks, block_size, Hk] float32 scales (laid out as the
+    keys' tokens); block_tables: [B, W] int64; seq_lens: [B] int64 keys per sequence
+    -> [B, Hq, D]."""
+    return torch.ops.braid.paged_decode_attention(q, k_cache, v_cache, k_scales, v_scales,
+                                                  block_tables, seq_lens, scale)
 
 
 def gemv_fits(weight: torch.Tensor) -> bool:

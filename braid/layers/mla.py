@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from braid.engine.batch import AttentionMetadata, ForwardBatch
-from braid.layers.attention import concat_groups, gather_blocks, write_cache
+from braid.layers.attention import concat_groups, gather_blocks, row_scales, write_cache
 from braid.layers.attention_ops import causal_attention, decode_attention, prefix_causal_mask
 
 
@@ -37,19 +37,23 @@ class LatentAttention(nn.Module):
         self.scale = scale
         self.mode = "auto"  # "auto" (absorbed for decode steps), "expanded" or "absorbed"
         self.cache: torch.Tensor | None = None
+        self.cache_scales: torch.Tensor | None = None  # an int8 cache's, one per latent row
 
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> None:
-        """Zeroed, so masked-out slots hold finite values; one shared KV "head"."""
+        """Zeroed, so masked-out slots hold finite values; one shared KV "head". `dtype` int8
+        stores each latent row quantized (`attention.quantize_rows`), with its scale."""
         shape = (num_blocks, block_size, 1, self.kv_lora_rank + self.rope_dim)
         self.cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.cache_scales = (row_scales(num_blocks, block_size, 1, device)
+                             if dtype == torch.int8 else None)
 
     def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
                 kv_b_weight: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """q_nope: [T, heads, nope], q_rope: [T, heads, rope], latent: [T, kv_lora + rope]
         (the step's new tokens), kv_b_weight: [heads * (nope + v), kv_lora] for this rank's
         heads -> [T, heads * v]."""
-        write_cache(self.cache, latent[:, None], batch.slot_mapping)
+        write_cache(self.cache, latent[:, None], batch.slot_mapping, self.cache_scales)
         kv_b = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return concat_groups([self._attend(q_nope[g.tokens], q_rope[g.tokens], latent[g.tokens],
                                            kv_b, g.meta) for g in batch.attn_groups])
@@ -66,7 +70,8 @@ class LatentAttention(nn.Module):
         else:
             q = torch.cat([q_nope, q_rope], dim=-1)
         if absorbed and meta.decode:
-            keys = gather_blocks(self.cache, meta.block_tables)  # [B, L, 1, kv_lora + rope]
+            keys = gather_blocks(self.cache, meta.block_tables, self.cache_scales,
+                                 q.dtype)  # [B, L, 1, kv_lora + rope]
             # The values are the latents' first kv_lora_rank columns. Passing the whole rows
             # keeps one head size (SDPA's fused path, about 1.8x faster here); the extra
             # output columns are dropped.
@@ -94,7 +99,8 @@ class LatentAttention(nn.Module):
         if blocks is None:  # a fresh prompt: its latents are the new ones
             keys = latent[rows][:, None]
         else:
-            keys = gather_blocks(self.cache, blocks[None])[0, :meta.kv_lens[b]]  # [K, 1, .]
+            keys = gather_blocks(self.cache, blocks[None], self.cache_scales,
+                                 latent.dtype)[0, :meta.kv_lens[b]]  # [K, 1, .]
         if absorbed:  # all heads read one shared latent "head"; whole rows as values (above)
             return causal_attention(q, keys, keys, mask, self.scale)
         latent_kv, k_rope = keys[:, 0].split([self.kv_lora_rank, self.rope_dim], dim=-1)
