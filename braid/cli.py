@@ -12,8 +12,8 @@ import warnings
 from braid.config import (
     COMM_CHOICES,
     COMPILE_CHOICES,
-    KV_CACHE_DTYPES,
     DTYPE_CHOICES,
+    KV_CACHE_DTYPES,
     SWITCH_CHOICES,
     EngineConfig,
     UserError,
