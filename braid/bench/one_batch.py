@@ -230,6 +230,7 @@ def base_row(args: argparse.Namespace, **fields) -> dict:
     row = {"backend": args.backend, "model": args.model, "tp": args.tp, "dtype": dtype,
            "comm": args.comm, "overlap": args.overlap, "dp_linear": args.dp_linear,
            "skip_comm": args.skip_comm, "quantization": args.quantization,
+           "kv_cache_dtype": args.kv_cache_dtype,
            "batch_size": args.batch_size, "input_len": args.input_len,
            "output_len": args.output_len, "cores": len(usable_cores())}
     row.update(fields)
@@ -242,6 +243,7 @@ def print_header(row: dict) -> None:
           f"comm={row['comm']} overlap={row['overlap']} dp_linear={row['dp_linear']}"
           f"{' skip_comm' if row['skip_comm'] else ''}"
           f"{' quantization=int8' if row['quantization'] == 'int8' else ''}"
+          f"{' kv_cache_dtype=int8' if row['kv_cache_dtype'] == 'int8' else ''}"
           f" batch_size={row['batch_size']} input_len={row['input_len']} "
           f"output_len={row['output_len']} cores={row['cores']}")
 

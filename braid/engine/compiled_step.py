@@ -48,7 +48,7 @@ import torch
 import torch._inductor.config
 from torch import nn
 
-from braid.config import cpu_flags
+from braid.config import EngineConfig, cpu_flags
 from braid.engine.batch import DECODE_MIN_BLOCKS, ForwardBatch, StepPlan
 from braid.layers import decode_kernel
 from braid.layers.attention import PagedAttention
@@ -92,15 +92,16 @@ def inductor_config(model: nn.Module, one_sequence: bool) -> dict:
     return _INDUCTOR_CONFIG
 
 
-def use_decode_kernels(model: nn.Module) -> None:
+def use_decode_kernels(model: nn.Module, gemv: bool = True) -> None:
     """`decode_kernel`'s operators wherever they fit, if they build: decode attention in every
-    attention layer, the GEMV in every linear layer (the LM head included) for the weight its
-    one-row product reads, int8 or dense."""
+    attention layer and, with `gemv` (the compiled step, whose graph reads row-major weights),
+    the GEMV in every linear layer (the LM head included) for the weight its one-row product
+    reads, int8 or dense."""
     dtype = next(model.parameters()).dtype
     attention = [attn for attn in model.attention_layers()
                  if len(attn.runs) == 1
                  and decode_kernel.attention_fits(attn.num_heads, attn.k_cache, dtype)]
-    linears = [layer for layer in model.modules() if isinstance(layer, Quantizable)
+    linears = [layer for layer in model.modules() if gemv and isinstance(layer, Quantizable)
                and (decode_kernel.gemv_fits(layer.quantizable_weight()) if layer.int8 is None
                     else layer.int8.scales.dtype == torch.bfloat16  # not an fp16 model's
                     and decode_kernel.gemv_fits(layer.int8.values))]
@@ -109,6 +110,25 @@ def use_decode_kernels(model: nn.Module) -> None:
             attn.use_decode_kernel = True
         for layer in linears:
             layer.gemv = True
+
+
+def eager_decode_reads_kernel(engine: EngineConfig, model: nn.Module) -> bool:
+    """Whether eager decode steps (every decode step but the compiled step's) read the KV
+    cache through `decode_kernel`'s operator, laid out as the compiled step lays it out: on
+    CPU, where every attention layer is a `PagedAttention` of one uniformly grouped run whose
+    shapes the operator takes, and the operator builds. Against gathering the blocks for SDPA
+    (2-core Xeon with AMX, bf16, `ratio_bench.py` best of 2): decode bs 32 1.38x, bs 1 1.04x,
+    prefill 8 x 512 1.04x (the layout's writes); an int8 cache, whose gathered blocks SDPA
+    needs dequantized, 1.17x the bf16 cache's gather at bs 32 instead of 0.65-0.69x."""
+    if engine.device != "cpu":
+        return False
+    for attn in model.attention_layers():
+        if not (isinstance(attn, PagedAttention) and len(attn.runs) == 1
+                and decode_kernel.shape_fits(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                             engine.block_size, engine.torch_dtype,
+                                             engine.kv_torch_dtype)):
+            return False
+    return decode_kernel.load()
 
 
 def step_compile_applies(mode: str, device: str, world_size: int, model: nn.Module) -> bool:

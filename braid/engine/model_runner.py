@@ -9,7 +9,13 @@ import torch
 from braid.config import EngineConfig, ModelConfig
 from braid.distributed.comm import SwitchableCommunicator
 from braid.engine.batch import ForwardBatch, StepPlan, StepResult
-from braid.engine.compiled_step import CompiledDecodeStep, step_compile_applies, warm_up_plans
+from braid.engine.compiled_step import (
+    CompiledDecodeStep,
+    eager_decode_reads_kernel,
+    step_compile_applies,
+    use_decode_kernels,
+    warm_up_plans,
+)
 from braid.engine.kv_cache import num_kv_blocks
 from braid.engine.sampler import postprocess
 from braid.layers.fused import configure_compile
@@ -76,7 +82,10 @@ class ModelRunner:
             pack_linear_layers(self.model)
         configure_compile(engine.compile, engine.device, announce=comm.rank == 0)
         self.operations = self.model.operations()
-        self._allocate_kv_cache(tokens_innermost=compile_step)
+        eager_kernel = not compile_step and eager_decode_reads_kernel(engine, self.model)
+        self._allocate_kv_cache(tokens_innermost=compile_step or eager_kernel)
+        if eager_kernel:
+            use_decode_kernels(self.model, gemv=False)
         self.compiled_step = None
         if compile_step:
             self.compiled_step = CompiledDecodeStep(self.model, self.operations,
@@ -97,7 +106,7 @@ class ModelRunner:
                     cache[0].zero_()
 
     def _allocate_kv_cache(self, tokens_innermost: bool) -> None:
-        """`tokens_innermost`: the compiled decode step's layout (`PagedAttention` only)."""
+        """`tokens_innermost`: the decode operator's layout (`PagedAttention` only)."""
         num_blocks = num_kv_blocks(self.engine.max_total_tokens, self.engine.block_size)
         layout = {"tokens_innermost": True} if tokens_innermost else {}
         for attn in self.model.attention_layers():

@@ -51,8 +51,9 @@ class PagedAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.k_scales: torch.Tensor | None = None
         self.v_scales: torch.Tensor | None = None
-        # Set by the compiled decode step where `decode_kernel.attention_fits`: its decode
-        # attention is then the C++ operator instead of `traced_decode_attention`.
+        # Set where `decode_kernel.attention_fits`, for the compiled decode step (its decode
+        # attention is then the C++ operator instead of `traced_decode_attention`) and for
+        # eager decode steps (`compiled_step.eager_decode_reads_kernel`).
         self.use_decode_kernel = False
 
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -60,7 +61,8 @@ class PagedAttention(nn.Module):
         """Zeroed: masked-out keys must still be finite (0 * NaN would poison the output).
         `dtype` int8 stores rows quantized, with their scales (laid out as the keys' tokens).
 
-        Stored token-major by default. `tokens_innermost` is the compiled decode step's layout:
+        Stored token-major by default. `tokens_innermost` is the layout of the decode steps
+        that read the cache through `decode_kernel` (on CPU where it fits) or compile:
         the caches are views of `[blocks, kv_heads, head_dim, block_size]` keys and `[blocks,
         kv_heads, block_size, head_dim]` values, so that `traced_decode_attention` sums each
         score over head_dim as vector FMAs across a block's tokens, not as one horizontal
@@ -103,7 +105,10 @@ class PagedAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """One group of sequences (see `AttentionMetadata` for the three ways)."""
-        if meta.decode:
+        if meta.decode and self.use_decode_kernel:
+            out = paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                         meta.seq_lens, self.scale, self.k_scales, self.v_scales)
+        elif meta.decode:
             keys = gather_blocks(self.k_cache, meta.block_tables, self.k_scales, q.dtype)
             values = gather_blocks(self.v_cache, meta.block_tables, self.v_scales, q.dtype)
             out = padded_decode(decode_attention, q, keys, values, meta.key_mask, self.scale,
@@ -223,17 +228,18 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor,
                   scales: torch.Tensor | None = None,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """[B, blocks] block ids -> [B, blocks * block_size, ...] (the cache's per-token shape); an
-    int8 cache's rows times their `scales`, in `dtype`."""
+    int8 cache's rows times their `scales`, in `dtype` (int8 values are exact in bf16, so the
+    product is computed there: two passes over the rows instead of four through fp32)."""
     rows = _gather(cache, block_tables)
     if scales is None:
         return rows
-    return (rows.float() * _gather(scales, block_tables)[..., None]).to(dtype)
+    return rows.to(dtype).mul_(_gather(scales, block_tables).to(dtype)[..., None])
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """One row copy per block (index_select on a 2-D view copies whole rows, several times
     faster than fancy indexing or a gather along another dimension)."""
-    if not cache.is_contiguous():  # the compiled step's layout, where only prompt steps gather
+    if not cache.is_contiguous():  # the decode operator's layout, where only prompt steps gather
         return cache[block_tables].flatten(1, 2)
     num_blocks, block_size, *token_shape = cache.shape
     rows = cache.view(num_blocks, -1).index_select(0, block_tables.flatten())

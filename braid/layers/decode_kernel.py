@@ -1,9 +1,10 @@
-"""The compiled decode step's C++ operators on CPU, built together into one library:
+"""The decode step's C++ operators on CPU, built together into one library:
 
-- `torch.ops.braid.paged_decode_attention`: decode attention over the paged KV cache
-  (`csrc/paged_decode_attention.cpp`);
+- `torch.ops.braid.paged_decode_attention`: decode attention over the paged KV cache, of the
+  model's dtype or int8 (`csrc/paged_decode_attention.cpp`), in eager and compiled decode steps;
 - `torch.ops.braid.gemv_bf16` and `gemv_int8`: a linear layer's product for one row with its
-  row-major bf16 weight or its int8 one (`csrc/gemv.cpp`), on CPUs with AVX512-BF16.
+  row-major bf16 weight or its int8 one (`csrc/gemv.cpp`), on CPUs with AVX512-BF16, in the
+  compiled step.
 
 Inductor's code for the same reductions (`traced_decode_attention`) is bound by add latency and
 memory stalls: 500-610 us a layer for 32 sequences of 160 keys (SmolLM2's 9 query and 3 KV
@@ -51,7 +52,8 @@ def load() -> bool:
         _build()
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja: keep the traced kernel
         warnings.warn(f"decode step kernels not built ({type(e).__name__}: {str(e)[:300]}); "
-                      f"the compiled step uses traced attention and oneDNN's GEMMs", stacklevel=2)
+                      f"decode steps attend over gathered blocks (compiled: traced attention, "
+                      f"oneDNN's GEMMs)", stacklevel=2)
         return False
 
     @torch.library.register_fake("braid::paged_decode_attention")
@@ -85,14 +87,20 @@ def _build() -> None:
 
 def attention_fits(heads: int, k_cache: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether the operator handles `heads` query heads of `dtype` over this key cache
-    (tokens-innermost layout, bf16 or fp32 queries, a cache of their dtype or int8, aligned
-    sizes, at most `_MAX_GROUP` query heads per KV head)."""
+    (`shape_fits`, in the tokens-innermost layout)."""
     _, block_size, kv_heads, head_dim = k_cache.shape
-    return (k_cache.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
-            and k_cache.dtype in (dtype, torch.int8)
-            and k_cache.stride(1) == 1 and block_size % _VECTOR_FLOATS == 0
-            and head_dim % _VECTOR_FLOATS == 0 and heads % kv_heads == 0
-            and heads // kv_heads <= _MAX_GROUP)
+    return (k_cache.device.type == "cpu" and k_cache.stride(1) == 1
+            and shape_fits(heads, kv_heads, head_dim, block_size, dtype, k_cache.dtype))
+
+
+def shape_fits(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+               cache_dtype: torch.dtype) -> bool:
+    """Whether the operator computes this attention on CPU: bf16 or fp32 queries over a cache
+    of their dtype or int8, block size and head dim multiples of the vector width, at most
+    `_MAX_GROUP` query heads per KV head."""
+    return (dtype in (torch.bfloat16, torch.float32) and cache_dtype in (dtype, torch.int8)
+            and block_size % _VECTOR_FLOATS == 0 and head_dim % _VECTOR_FLOATS == 0
+            and heads % kv_heads == 0 and heads // kv_heads <= _MAX_GROUP)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
