@@ -82,7 +82,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cache", dest="cache", action="store_false",
                         help="neither read nor write braid's cache of what is derived from a "
                              "GGUF file (config, tokenizer, dequantised weights; kept under "
-                             "$XDG_CACHE_HOME/braid)")
+                             "$XDG_CACHE_HOME/braid). torch keeps its own builds of compiled "
+                             "kernels ($TORCH_EXTENSIONS_DIR or $XDG_CACHE_HOME/"
+                             "torch_extensions, /tmp/torchinductor_$USER)")
     parser.add_argument("--device", default="cpu",
                         help="cpu, or cuda (rank r uses cuda:r; collectives via NCCL)")
     parser.add_argument("--trace", default=None, metavar="FILE.json",

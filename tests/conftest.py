@@ -19,6 +19,9 @@ from braid.config import default_model_path, load_model_config
 # user's ~/.cache): the first launch converts, later ones load, as on a user's machine.
 _CACHE_HOME = tempfile.mkdtemp(prefix="braid-test-cache-")
 os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
+# torch's build of braid's decode operators (`braid.layers.decode_kernel`, about 30 s) is
+# shared by every process of the session, also those a test gives a cache folder of its own.
+os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(_CACHE_HOME, "torch_extensions")
 atexit.register(shutil.rmtree, _CACHE_HOME, ignore_errors=True)
 
 # One thread per test process: rank processes pin their own cores, the reference shares them.
