@@ -118,8 +118,9 @@ def eager_decode_reads_kernel(engine: EngineConfig, model: nn.Module) -> bool:
     CPU, where every attention layer is a `PagedAttention` of one uniformly grouped run whose
     shapes the operator takes, and the operator builds. Against gathering the blocks for SDPA
     (2-core Xeon with AMX, bf16, `ratio_bench.py` best of 2): decode bs 32 1.38x, bs 1 1.04x,
-    prefill 8 x 512 1.04x (the layout's writes); an int8 cache, whose gathered blocks SDPA
-    needs dequantized, 1.17x the bf16 cache's gather at bs 32 instead of 0.65-0.69x."""
+    prefill 8 x 512 1.04x (the layout's writes). An int8 cache, whose gathered blocks SDPA
+    needs dequantized, ran 0.65-0.69x the bf16 cache's speed at bs 32 gathered, 1.08x through
+    the operator."""
     if engine.device != "cpu":
         return False
     for attn in model.attention_layers():
@@ -154,9 +155,8 @@ class CompiledDecodeStep:
         # step's block-table width or batch equal to a cache size (2 KV heads, 16 tokens per
         # block) was unified with it and then pinned, and the next step recompiled.
         for attn in model.attention_layers():
-            for cache in (attn.k_cache, attn.v_cache, attn.k_scales, attn.v_scales):
-                if cache is not None:
-                    torch._dynamo.mark_static(cache)
+            for cache in attn.cache_tensors():
+                torch._dynamo.mark_static(cache)
         use_decode_kernels(model)
         self.announce = announce
         self._inductor_configs = {one: inductor_config(model, one) for one in (True, False)}

@@ -101,9 +101,8 @@ class ModelRunner:
                                                         self.device) for plan in plans]):
             self.compiled_step = None
         for attn in self.model.attention_layers():
-            for cache in (attn.k_cache, attn.v_cache, attn.k_scales, attn.v_scales):
-                if cache is not None:
-                    cache[0].zero_()
+            for cache in attn.cache_tensors():
+                cache[0].zero_()
 
     def _allocate_kv_cache(self, tokens_innermost: bool) -> None:
         """`tokens_innermost`: the decode operator's layout (`PagedAttention` only)."""

@@ -83,6 +83,11 @@ class PagedAttention(nn.Module):
             self.k_scales = row_scales(blocks, block_size, heads, device, tokens_innermost)
             self.v_scales = row_scales(blocks, block_size, heads, device, tokens_innermost)
 
+    def cache_tensors(self) -> list[torch.Tensor]:
+        """The cache's tensors: keys and values, and an int8 cache's scales."""
+        return [t for t in (self.k_cache, self.v_cache, self.k_scales, self.v_scales)
+                if t is not None]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
