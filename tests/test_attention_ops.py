@@ -284,3 +284,17 @@ def test_a_decode_kernel_that_cannot_be_built_warns(monkeypatch):
     monkeypatch.setattr(decode_kernel, "_build", broken)
     with pytest.warns(UserWarning, match="decode step kernels not built.*ninja is required"):
         assert decode_kernel.load.__wrapped__() is False
+
+
+def test_a_nan_row_in_an_int8_cache_reads_back_as_nan():
+    """NaN is not an int8 value: a row holding one stores a NaN scale, so what attends over it
+    still sees NaN (and the engine's NaN check on the logits still fires)."""
+    from braid.layers.attention import gather_blocks, write_cache
+
+    attn = paged_attention(4, 2, 8, tokens_innermost=False, dtype=torch.int8)
+    new = torch.randn(2, 2, 8)
+    new[0, 1, 3] = float("nan")
+    write_cache(attn.k_cache, new, torch.tensor([4, 5]), attn.k_scales)
+    stored = gather_blocks(attn.k_cache, torch.tensor([[1]]), attn.k_scales, torch.float32)[0]
+    assert stored[0, 1].isnan().all() and not stored[0, 0].isnan().any()
+    assert not stored[1].isnan().any()
