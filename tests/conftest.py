@@ -37,6 +37,12 @@ PROMPTS = [
 ]
 
 
+def slow(*values):
+    """A parametrize case that runs in `make test-all` only (the default suite keeps one case
+    of each kind)."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def model_path() -> str:
     return default_model_path()

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, slow
 from engine_utils import RunnerExecutor, run_requests
 from test_hf_parity import check_logits
 
@@ -61,8 +61,9 @@ def greedy(llm: LLM, prompts, steps: int = 8, **settings) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch,tp,comm", [
-    ("deepseek_v2", 1, "auto"), ("deepseek_v2", 2, "shm"), ("deepseek_v2", 3, "shm"),
-    ("deepseek_v3", 1, "auto"), ("deepseek_v3", 2, "shm"), ("deepseek_v3", 2, "torch"),
+    # make test: each architecture, each tp, both communicators; make test-all: the rest
+    ("deepseek_v2", 1, "auto"), slow("deepseek_v2", 2, "shm"), slow("deepseek_v2", 3, "shm"),
+    slow("deepseek_v3", 1, "auto"), slow("deepseek_v3", 2, "shm"), ("deepseek_v3", 2, "torch"),
     ("deepseek_v3", 3, "shm"),
 ])
 def test_deepseek_matches_transformers(arch, tp, comm, deepseek_folders, deepseek_prompts,

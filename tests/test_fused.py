@@ -118,7 +118,7 @@ def tiny_llama(tmp_path_factory, tokenizer) -> str:
 # The embedded model's decode step autotunes for minutes in fp32: the default suite runs the
 # same checks on a random two-layer Llama.
 @pytest.mark.parametrize("model, kv_cache_dtype", [
-    ("tiny_llama", "auto"), ("tiny_llama", "int8"),
+    ("tiny_llama", "auto"), pytest.param("tiny_llama", "int8", marks=pytest.mark.slow),
     pytest.param("model_path", "auto", marks=pytest.mark.slow)])
 def test_a_compiled_model_answers_as_the_eager_one(model, kv_cache_dtype, request, capfd):
     """300 prompt tokens take the compiled kernels, and the decode steps the compiled step

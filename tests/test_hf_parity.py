@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import slow
 
 from braid import LLM, SamplingParams
 
@@ -18,8 +19,8 @@ def check_logits(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> Non
         assert diff <= LOGIT_TOLERANCE, f"prompt {i}: max |logit diff| {diff:.2e}"
 
 
-@pytest.mark.parametrize("tp,comm", [(1, "auto"), (2, "shm"), (2, "torch"), (3, "shm"),
-                                     (3, "torch")])
+@pytest.mark.parametrize("tp,comm", [(1, "auto"), (2, "shm"), slow(2, "torch"),
+                                     slow(3, "shm"), (3, "torch")])
 def test_logits_and_greedy_tokens_match_transformers(tp, comm, model_path, prompt_ids,
                                                      hf_reference):
     ref_logits, ref_greedy = hf_reference

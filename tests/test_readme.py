@@ -2,7 +2,8 @@
 
 A block may be preceded by an HTML comment that says how it runs:
 - none: run in `make test`;
-- `<!-- doctest: slow -->`: run in `make test-all` only (benchmarks, evaluations);
+- `<!-- doctest: slow -->`: run in `make test-all` only (benchmarks, evaluations, and
+  examples whose commands `tests/test_cli.py` already runs in short form);
 - `<!-- doctest: server -->`: each command starts a server that stays up for the blocks after
   it and must exit 0 on SIGTERM at the end; the test gives each a free port and points the
   later blocks' `127.0.0.1:PORT` addresses at it (tests never bind a fixed port);
