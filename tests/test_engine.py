@@ -161,6 +161,23 @@ def test_sampler_greedy_topk1_tiny_topp_and_high_minp_pick_the_argmax():
     assert draw(logits, sampling_batch(6, min_p=1.0), gen) == argmax
 
 
+def test_greedy_picks_the_first_greatest_logit_as_torch_does():
+    """The CPU fp32 argmax (numpy's) and torch's max agree on ties (the first index) and on
+    NaN rows (the first NaN), also for rows that are views into a wider tensor."""
+    logits = torch.randn(5, 3000)
+    logits[0, [7, 2000]] = 50.0  # a tie
+    logits[1] = 1.0  # all equal
+    logits[2, [900, 400]] = float("nan")
+    logits[3, -1] = float("inf")
+    for rows in (logits, logits[:, 100:], logits.bfloat16()):
+        params = sampling_batch(len(rows), temperature=0)
+        tokens, errors = sample(rows, params, torch.Generator())
+        expected = rows.max(dim=-1).indices.tolist()
+        assert [t for i, t in enumerate(tokens) if i != 2] == expected[:2] + expected[3:]
+        assert tokens[2] is None and set(errors) == {2}
+    assert sample(logits, sampling_batch(5, temperature=0), torch.Generator())[0][:2] == [7, 0]
+
+
 def test_sampler_respects_top_k_min_p_and_seeds():
     logits = torch.zeros(1, 50)
     logits[0, :5] = 10.0  # five equally likely tokens

@@ -71,15 +71,15 @@ def sample(logits: torch.Tensor, params: SamplingBatch,
     seed and output position, so its tokens do not depend on what else is in the batch.
     """
     logits = _constrained(logits, params)
-    # max with indices is the argmax (the first greatest), 2.5x faster than argmax on CPU;
-    # it picks a NaN where a row has one, so the chosen logits reveal the failed rows
+    # The argmax picks a NaN where a row has one, so the chosen logits reveal the failed rows
     # without another pass over the vocabulary.
-    chosen, tokens = logits.max(dim=-1)
+    chosen, tokens = _row_max(logits)
     errors = {row: "the model produced NaN logits"
-              for row in torch.isnan(chosen).nonzero().flatten().tolist()}
-    temperatures = torch.from_numpy(params.temperatures).to(logits.device)
-    sampled_rows = [r for r in (temperatures > 0).nonzero().flatten().tolist() if r not in errors]
+              for row in np.flatnonzero(np.isnan(chosen)).tolist()}
+    sampled_rows = [r for r in np.flatnonzero(params.temperatures > 0).tolist()
+                    if r not in errors]
     if sampled_rows:
+        temperatures = torch.from_numpy(params.temperatures).to(logits.device)
         rows = torch.tensor(sampled_rows, device=logits.device)
         probs = _filtered_probs(
             logits[rows] / temperatures[rows, None],
@@ -101,6 +101,21 @@ def sample(logits: torch.Tensor, params: SamplingBatch,
     for row in errors:
         out[row] = None
     return out, errors
+
+
+def _row_max(logits: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """Each row's greatest logit (numpy) and the index of its first occurrence; a row with
+    a NaN gets its first NaN. On CPU through numpy's argmax, which is vectorised where
+    torch's reductions with indices are not: one row of 49,152 fp32 logits 11 against 130 us,
+    32 rows 0.34 against 2.0 ms (2-core Xeon); at batch 32 that was 8% of a compiled decode
+    step."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        values = logits.numpy()
+        tokens = values.argmax(axis=-1)
+        return values[np.arange(len(tokens)), tokens], torch.from_numpy(tokens)
+    # max with indices is the argmax (the first greatest), 2.5x faster than argmax on CPU
+    chosen, tokens = logits.max(dim=-1)
+    return chosen.float().cpu().numpy(), tokens
 
 
 def _constrained(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
