@@ -162,8 +162,9 @@ def test_sampler_greedy_topk1_tiny_topp_and_high_minp_pick_the_argmax():
 
 
 def test_greedy_picks_the_first_greatest_logit_as_torch_does():
-    """The CPU fp32 argmax (numpy's) and torch's max agree on ties (the first index) and on
-    NaN rows (the first NaN), also for rows that are views into a wider tensor."""
+    """The CPU fp32 argmax (numpy's) and torch's max agree on ties (the first index); a NaN
+    row fails alone; the same for rows that are views into a wider tensor, and for bf16
+    logits (torch's path)."""
     logits = torch.randn(5, 3000)
     logits[0, [7, 2000]] = 50.0  # a tie
     logits[1] = 1.0  # all equal

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import slow
 
 from braid.layers import fused
 
@@ -118,8 +119,7 @@ def tiny_llama(tmp_path_factory, tokenizer) -> str:
 # The embedded model's decode step autotunes for minutes in fp32: the default suite runs the
 # same checks on a random two-layer Llama.
 @pytest.mark.parametrize("model, kv_cache_dtype", [
-    ("tiny_llama", "auto"), pytest.param("tiny_llama", "int8", marks=pytest.mark.slow),
-    pytest.param("model_path", "auto", marks=pytest.mark.slow)])
+    ("tiny_llama", "auto"), slow("tiny_llama", "int8"), slow("model_path", "auto")])
 def test_a_compiled_model_answers_as_the_eager_one(model, kv_cache_dtype, request, capfd):
     """300 prompt tokens take the compiled kernels, and the decode steps the compiled step
     (`--compile on`: one graph for one sequence, one for several, a short prompt's padded
