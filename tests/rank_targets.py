@@ -160,3 +160,9 @@ def shm_chunked_beside_outstanding(rank, world_size, conn, segment):
     shm.close()
     conn.send(("ok", bool(ok)))
     conn.recv()
+
+
+def hold_segment_unmapped(rank, world_size, conn, segment):
+    """A rank still starting up (loading its model): the segment is not mapped yet."""
+    conn.send(("ok", "ready"))
+    conn.recv()

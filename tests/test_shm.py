@@ -114,6 +114,32 @@ def test_no_segment_remains_after_the_driver_is_killed():
     assert segments() <= before
 
 
+def test_no_segment_remains_after_the_driver_is_killed_while_ranks_start():
+    """The ranks unlink the segment once they have all mapped it; a driver killed before then
+    (SIGKILL here; a SIGTERM, as `timeout` sends, skips its cleanup too) leaves the ranks to
+    remove it as they exit."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import rank_targets
+        from braid.distributed.launch import RankGroup
+        from braid.distributed.shm import ShmSegment
+        if __name__ == "__main__":
+            segment = ShmSegment.create(2)
+            group = RankGroup(2, rank_targets.hold_segment_unmapped, (segment,),
+                              cleanup=segment.unlink)
+            group.gather(timeout=60)
+            print(*[p.pid for p in group.procs], flush=True)
+            time.sleep(600)
+    """)
+    before = segments()
+    with driver_process(script) as (driver, pids):
+        assert len(pids) == 2
+        assert len(segments() - before) == 1  # the ranks have not mapped it
+        kill_and_wait_for_ranks(driver, pids, within_s=10)
+    assert segments() <= before
+
+
 def test_a_segment_larger_than_the_free_shared_memory_is_refused_clearly():
     stat = os.statvfs(shm_dir())
     free = stat.f_bavail * stat.f_frsize

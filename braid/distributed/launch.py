@@ -62,26 +62,31 @@ def cores_for_rank(rank: int, world_size: int, cores: list[int]) -> list[int]:
     return [cores[(start + i) % len(cores)] for i in range(per_rank)]
 
 
-def exit_with_parent(poll_s: float = 0.2) -> None:
-    """End this process soon after the process that started it dies, even by SIGKILL.
+def exit_with_parent(poll_s: float = 0.2, parent: int | None = None,
+                     on_exit: Callable[[], object] | None = None) -> None:
+    """End this process soon after the process that started it (`parent`: its pid, known to
+    the caller; else this process's parent now) dies, even by SIGKILL, first running
+    `on_exit`: the cleanup the dead process could not run.
 
     A watcher thread, not Linux's parent-death signal: that signal fires when the *thread*
     that started the child exits, so ranks launched from a short-lived thread (a server's
-    worker, a test helper) would die with it.
+    worker, a test helper) would die with it. A spawned rank passes its driver's pid: the
+    driver may die while the rank is still importing, before this runs.
     """
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
-        os._exit(1)
+        _exit_after(on_exit, 1)
 
     threading.Thread(target=watch, name="braid-parent-watch", daemon=True).start()
 
 
 def _rank_entry(target: Callable, rank: int, world_size: int, store_port: int,
-                cores: list[int], conn: Connection, args: tuple) -> None:
-    exit_with_parent()
+                cores: list[int], conn: Connection, args: tuple, driver: int,
+                cleanup: Callable[[], str | None] | None) -> None:
+    exit_with_parent(parent=driver, on_exit=cleanup)
     # Ctrl-C reaches the whole process group: the driver decides when ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -99,8 +104,19 @@ def _rank_entry(target: Callable, rank: int, world_size: int, store_port: int,
         try:
             conn.send(("error", traceback.format_exc()))
         finally:
-            os._exit(1)
-    os._exit(0)
+            _exit_after(cleanup, 1)
+    _exit_after(cleanup, 0)
+
+
+def _exit_after(cleanup: Callable[[], object] | None, code: int) -> NoReturn:
+    """`os._exit(code)` once `cleanup` (if any) has run. A rank runs its launch's cleanup on
+    every way out, as the driver does when it closes the group: the driver may be dead (its
+    pipe's end is then what stops the rank, often before the parent watcher notices)."""
+    try:
+        if cleanup is not None:
+            cleanup()
+    finally:
+        os._exit(code)
 
 
 @contextmanager
@@ -121,7 +137,10 @@ class RankGroup:
     `target` receives messages with `conn.recv()` and answers with `conn.send(("ok", value))`;
     `torch.distributed` is initialised before it runs. Exceptions are reported automatically.
     `cleanup` runs when the group closes, on every path (shared-memory segments use it); the
-    line it returns ends a failure report.
+    line it returns ends a failure report. Each rank runs it too as it exits, so it must be
+    picklable and harmless to run more than once: a driver killed without closing the group
+    (SIGKILL, or SIGTERM, whose default action skips `atexit`) while its ranks were still
+    starting would otherwise leave their shared-memory segment, not yet mapped and unlinked.
     """
 
     def __init__(self, world_size: int, target: Callable, args: tuple = (),
@@ -151,7 +170,8 @@ class RankGroup:
             proc = ctx.Process(
                 target=_rank_entry, daemon=True, name=f"braid-rank-{rank}",
                 args=(target, rank, world_size, self._store.port,
-                      cores_for_rank(rank, world_size, cores), child, args))
+                      cores_for_rank(rank, world_size, cores), child, args, os.getpid(),
+                      cleanup))
             with _environment(RANK_ENV):  # read by the child's libraries at start-up
                 proc.start()
             child.close()
