@@ -20,6 +20,12 @@ from braid.layers.attention_ops import (
 HEADS = [(9, 3), (4, 4), (6, 1)]  # (query heads, KV heads)
 
 
+def _int8_pairs_fit() -> bool:
+    from braid.layers import decode_kernel
+
+    return decode_kernel.int8_pairs_fit(16, 64)
+
+
 def reference(q, keys, values, prefix, scale):
     """q: [T, Hq, D]; keys, values: [prefix + T, Hk, D]; query t sees keys [0, prefix + t]."""
     group = q.shape[1] // keys.shape[1]
@@ -148,6 +154,29 @@ def test_both_cache_layouts_store_and_gather_the_same_tokens():
         assert torch.equal(other, gathered[0])
 
 
+def test_every_kv_layout_stores_and_gathers_the_same_int8_rows():
+    """`kv_layout`'s three layouts (the int8 pair layout on any CPU: only reading it through
+    the operator needs VNNI) hold the same rows at the same slots, as writes and gathers see
+    them, and report the same logical shape."""
+    from braid.layers import kv_layout
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(-127, 128, (10, 3, 8), generator=gen, dtype=torch.int8)
+    slots = torch.tensor([0, 1, 2, 3, 17, 18, 44, 45, 46, 47])
+    block_tables = torch.tensor([[0, 4], [11, 0]])
+    gathered = []
+    for layout in (kv_layout.TOKEN_MAJOR, kv_layout.TOKENS_INNERMOST, kv_layout.INT8_PAIRS):
+        for cache in kv_layout.allocate(layout, 12, 4, 3, 8, torch.int8, torch.device("cpu")):
+            assert kv_layout.logical_shape(cache) == (12, 4, 3, 8)
+            assert kv_layout.is_paired(cache) == (layout == kv_layout.INT8_PAIRS)
+            kv_layout.store(cache, rows, slots)
+            gathered.append(kv_layout.blocks(cache, block_tables))
+    assert gathered[0].shape == (2, 2, 4, 3, 8)
+    assert torch.equal(gathered[0][0, 0], rows[:4]) and torch.equal(gathered[0][1, 0], rows[6:])
+    for other in gathered[1:]:
+        assert torch.equal(other, gathered[0])
+
+
 @pytest.mark.parametrize("tokens_innermost", [False, True])
 def test_an_int8_cache_stores_each_row_within_half_its_scale(tokens_innermost):
     """`--kv-cache-dtype int8`: a row is stored as int8 values, its largest magnitude as 127,
@@ -201,9 +230,10 @@ def test_traced_decode_attention_reads_the_blocks_the_table_names(heads, tokens_
 def fill_cache(attn, gen: torch.Generator) -> None:
     """Random rows of varied magnitude in every slot, through `write_cache` (quantized into an
     int8 cache)."""
+    from braid.layers import kv_layout
     from braid.layers.attention import write_cache
 
-    blocks, block_size, heads, dim = attn.k_cache.shape
+    blocks, block_size, heads, dim = kv_layout.logical_shape(attn.k_cache)
     slots = torch.arange(blocks * block_size)
     for cache, scales in ((attn.k_cache, attn.k_scales), (attn.v_cache, attn.v_scales)):
         rows = torch.randn(len(slots), heads, dim, generator=gen)
@@ -221,7 +251,7 @@ def test_decode_kernel_matches_the_reference(heads, head_dim, dtype, int8_cache)
     block; head_dim 48 takes the path that accumulates one vector of it at a time. The
     queries are a view of queries and keys, as the compiled step passes them. An int8 cache
     is compared with the reference on the values it stores (its rows times their scales)."""
-    from braid.layers import decode_kernel
+    from braid.layers import decode_kernel, kv_layout
     from braid.layers.attention import gather_blocks
 
     assert decode_kernel.load()
@@ -239,15 +269,60 @@ def test_decode_kernel_matches_the_reference(heads, head_dim, dtype, int8_cache)
                                                torch.tensor(lengths), head_dim ** -0.5,
                                                attn.k_scales, attn.v_scales)
     assert out.dtype == dtype and out.shape == q.shape
+    assert kv_layout.is_paired(attn.k_cache) == (
+        int8_cache and decode_kernel.int8_pairs_fit(block_size, head_dim))
     # bf16: the output's rounding (2^-8 relative) on values of order 1
     tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2,
                                                                             "rtol": 1e-2}
+    if kv_layout.is_paired(attn.k_cache) and dtype == torch.float32:
+        tolerance = PAIRED_TOLERANCE
     for b, n in enumerate(lengths):
         table = block_tables[b:b + 1]
         keys = gather_blocks(attn.k_cache, table, attn.k_scales, torch.float64)[0, :n]
         values = gather_blocks(attn.v_cache, table, attn.v_scales, torch.float64)[0, :n]
         expected = reference(q[b:b + 1], keys, values, n - 1, head_dim ** -0.5)
         torch.testing.assert_close(out[b:b + 1].double(), expected, **tolerance)
+
+
+# The int8 pair layout's kernel rounds the queries and softmax weights to int16 (2^-16 of a
+# row's largest): an error of order 1e-4 on outputs of order 1, a hundredth of what storing
+# the rows as int8 costs (0.4% of a row's largest).
+PAIRED_TOLERANCE = {"atol": 3e-4, "rtol": 1e-3}
+
+
+@pytest.mark.skipif(not _int8_pairs_fit(), reason="the int8 pair layout needs AVX512-VNNI")
+def test_the_int8_pair_layout_reads_long_sequences_and_carries_nan():
+    """Past 512 keys the pair kernel moves its int32 sums to fp32 (before they could
+    overflow): a sequence of 1,100 keys whose values all share one sign and magnitude, under
+    a zero query (equal weights: the largest sums), matches the reference, as it does under a
+    random query; a NaN key row still gives NaN, as the fp32 path."""
+    from braid.layers import decode_kernel, kv_layout
+    from braid.layers.attention import gather_blocks, write_cache
+
+    assert decode_kernel.load()
+    gen = torch.Generator().manual_seed(0)
+    attn = paged_attention(6, 2, 64, tokens_innermost=True, num_blocks=80, block_size=16,
+                           dtype=torch.int8)
+    assert kv_layout.is_paired(attn.k_cache)
+    fill_cache(attn, gen)
+    slots = torch.arange(80 * 16)
+    write_cache(attn.v_cache, torch.full((len(slots), 2, 64), -3.0), slots, attn.v_scales)
+    block_tables = torch.randperm(80, generator=gen)[:70].view(1, 70)
+    lengths = torch.tensor([1100])
+    keys = gather_blocks(attn.k_cache, block_tables, attn.k_scales, torch.float64)[0, :1100]
+    values = gather_blocks(attn.v_cache, block_tables, attn.v_scales, torch.float64)[0, :1100]
+    for q in (torch.zeros(1, 6, 64), torch.randn(1, 6, 64, generator=gen) * 4):
+        out = decode_kernel.paged_decode_attention(q, attn.k_cache, attn.v_cache, block_tables,
+                                                   lengths, 0.125, attn.k_scales, attn.v_scales)
+        expected = reference(q, keys, values, 1099, 0.125)
+        torch.testing.assert_close(out.double(), expected, **PAIRED_TOLERANCE)
+
+    row = torch.randn(1, 2, 64, generator=gen)
+    row[0, 1, 5] = float("nan")
+    write_cache(attn.k_cache, row, block_tables[0, 3:4] * 16 + 7, attn.k_scales)
+    out = decode_kernel.paged_decode_attention(q, attn.k_cache, attn.v_cache, block_tables,
+                                               lengths, 0.125, attn.k_scales, attn.v_scales)
+    assert out[0, 3:].isnan().all() and not out[0, :3].isnan().any()
 
 
 def test_decode_kernel_refuses_an_int8_cache_without_its_scales():

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from braid.engine.batch import AttentionMetadata, ForwardBatch
+from braid.layers import kv_layout
 from braid.layers.attention_ops import (
     batched_causal_attention,
     blocked_causal_attention,
@@ -17,14 +18,14 @@ from braid.layers.attention_ops import (
     decode_attention,
     traced_decode_attention,
 )
-from braid.layers.decode_kernel import paged_decode_attention
+from braid.layers.decode_kernel import int8_pairs_fit, paged_decode_attention
 
 
 class PagedAttention(nn.Module):
     """Writes the step's keys and values into the cache, then attends over each sequence's keys.
 
-    The cache tensors (indexed as `[num_blocks, block_size, kv_heads, head_dim]`, whatever
-    their layout: see `allocate_cache`) are attached by the model runner after it has sized
+    The cache tensors (`[num_blocks, block_size, kv_heads, head_dim]` in one of `kv_layout`'s
+    layouts, which `allocate_cache` picks) are attached by the model runner after it has sized
     the cache. An int8 cache (`--kv-cache-dtype int8`) comes with `k_scales` and `v_scales`,
     `[num_blocks, block_size, kv_heads]` float32: a stored row is its int8 values times its
     scale (`quantize_rows`).
@@ -62,26 +63,26 @@ class PagedAttention(nn.Module):
         `dtype` int8 stores rows quantized, with their scales (laid out as the keys' tokens).
 
         Stored token-major by default. `tokens_innermost` is the layout of the decode steps
-        that read the cache through `decode_kernel` (on CPU where it fits) or compile:
-        the caches are views of `[blocks, kv_heads, head_dim, block_size]` keys and `[blocks,
-        kv_heads, block_size, head_dim]` values, so that `traced_decode_attention` sums each
-        score over head_dim as vector FMAs across a block's tokens, not as one horizontal
-        reduction per key (30 compiled layers of SmolLM2 at batch 32, 2 cores, bf16: 23 ms
-        against 15; 0.89 against 0.73 ms at batch 1).
+        that read the cache through `decode_kernel` (on CPU where it fits) or compile, so that
+        `traced_decode_attention` sums each score over head_dim as vector FMAs across a
+        block's tokens, not as one horizontal reduction per key (30 compiled layers of SmolLM2
+        at batch 32, 2 cores, bf16: 23 ms against 15; 0.89 against 0.73 ms at batch 1); an int8
+        cache the operator reads in pairs is stored in pairs (`kv_layout`).
         """
-        blocks, heads, dim = num_blocks, self.num_kv_heads, self.head_dim
+        layout = kv_layout.TOKEN_MAJOR
         if tokens_innermost:
-            keys = torch.zeros(blocks, heads, dim, block_size, dtype=dtype, device=device)
-            values = torch.zeros(blocks, heads, block_size, dim, dtype=dtype, device=device)
-            self.k_cache, self.v_cache = keys.permute(0, 3, 1, 2), values.permute(0, 2, 1, 3)
-        else:
-            shape = (blocks, block_size, heads, dim)
-            self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            paired = (dtype == torch.int8 and len(self.runs) == 1
+                      and int8_pairs_fit(block_size, self.head_dim))
+            layout = kv_layout.INT8_PAIRS if paired else kv_layout.TOKENS_INNERMOST
+        self.k_cache, self.v_cache = kv_layout.allocate(layout, num_blocks, block_size,
+                                                        self.num_kv_heads, self.head_dim, dtype,
+                                                        device)
         self.k_scales = self.v_scales = None
         if dtype == torch.int8:
-            self.k_scales = row_scales(blocks, block_size, heads, device, tokens_innermost)
-            self.v_scales = row_scales(blocks, block_size, heads, device, tokens_innermost)
+            self.k_scales = row_scales(num_blocks, block_size, self.num_kv_heads, device,
+                                       tokens_innermost)
+            self.v_scales = row_scales(num_blocks, block_size, self.num_kv_heads, device,
+                                       tokens_innermost)
 
     def cache_tensors(self) -> list[torch.Tensor]:
         """The cache's tensors: keys and values, and an int8 cache's scales."""
@@ -207,21 +208,13 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def write_cache(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor,
                 scales: torch.Tensor | None = None) -> None:
-    """Store the step's per-token rows `new` ([T, ...]) at their slots of a cache
-    ([num_blocks, block_size, ...], of either layout); quantized (`quantize_rows`) into an int8
-    cache, whose `scales` take the rows' scales."""
+    """Store the step's per-token rows `new` ([T, ...]) at their slots of a cache (of any
+    `kv_layout`); quantized (`quantize_rows`) into an int8 cache, whose `scales` take the
+    rows' scales."""
     if scales is not None:
         new, new_scales = quantize_rows(new)
-        _store(scales, new_scales, slot_mapping)
-    _store(cache, new, slot_mapping)
-
-
-def _store(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    if cache.is_contiguous():
-        cache.view(-1, *new.shape[1:])[slot_mapping] = new
-    else:
-        block_size = cache.shape[1]
-        cache[slot_mapping // block_size, slot_mapping % block_size] = new
+        kv_layout.store(scales, new_scales, slot_mapping)
+    kv_layout.store(cache, new, slot_mapping)
 
 
 def concat_groups(outputs: list[torch.Tensor]) -> torch.Tensor:
@@ -235,17 +228,8 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor,
     """[B, blocks] block ids -> [B, blocks * block_size, ...] (the cache's per-token shape); an
     int8 cache's rows times their `scales`, in `dtype` (int8 values are exact in bf16, so the
     product is computed there: two passes over the rows instead of four through fp32)."""
-    rows = _gather(cache, block_tables)
+    rows = kv_layout.blocks(cache, block_tables).flatten(1, 2)
     if scales is None:
         return rows
-    return rows.to(dtype).mul_(_gather(scales, block_tables).to(dtype)[..., None])
-
-
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """One row copy per block (index_select on a 2-D view copies whole rows, several times
-    faster than fancy indexing or a gather along another dimension)."""
-    if not cache.is_contiguous():  # the decode operator's layout, where only prompt steps gather
-        return cache[block_tables].flatten(1, 2)
-    num_blocks, block_size, *token_shape = cache.shape
-    rows = cache.view(num_blocks, -1).index_select(0, block_tables.flatten())
-    return rows.view(block_tables.shape[0], -1, *token_shape)
+    scales = kv_layout.blocks(scales, block_tables).flatten(1, 2)
+    return rows.to(dtype).mul_(scales.to(dtype)[..., None])

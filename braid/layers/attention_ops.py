@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from braid.config import cpu_flags
+from braid.layers import kv_layout
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -84,7 +85,7 @@ def traced_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     for the eager kernels called as an opaque operator; eagerly it would be slow.
     """
     batch, width = block_tables.shape
-    _, block_size, hk, dim = k_cache.shape
+    _, block_size, hk, dim = kv_layout.logical_shape(k_cache)
     # Per block: [B, W, Hk, 1, D, block_size] keys, summed over D for every token at once.
     keys = _scaled_blocks(k_cache, k_scales, block_tables).permute(0, 1, 3, 4, 2)[:, :, :, None]
     queries = q.view(batch, 1, hk, -1, dim, 1).float()  # [B, 1, Hk, g, D, 1]
@@ -106,7 +107,7 @@ def _scaled_blocks(cache: torch.Tensor, scales: torch.Tensor | None,
                    block_tables: torch.Tensor) -> torch.Tensor:
     """The blocks of `block_tables`, [B, W, block_size, H, D]; an int8 cache's times their
     scales, in float32."""
-    blocks = cache[block_tables]
+    blocks = kv_layout.blocks(cache, block_tables)
     return blocks if scales is None else blocks.float() * scales[block_tables][..., None]
 
 

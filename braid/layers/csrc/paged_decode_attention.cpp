@@ -6,6 +6,12 @@
 // for every query head of the group, and reads the cache with no prefetch, so it runs at
 // about 8 GB/s. Here the G query heads of a KV head share each key load in G registers, the
 // weighted values accumulate in registers, and the next block is prefetched.
+//
+// An int8 cache on a CPU with AVX512-VNNI is stored in pairs (braid/layers/kv_layout.py): two
+// head dims of a key, or two tokens of a value dimension, side by side, so that one vpdpwssd
+// multiplies 16 such pairs (widened to int16) by a pair of int16 queries or softmax weights
+// and adds both products into int32 lanes: under half the instructions of widening each
+// int8 to fp32 for an FMA.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -13,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -49,6 +56,8 @@ inline void prefetch(const T* p, int64_t elems) {
 
 // Where one (sequence, KV head) reads and writes; strides in elements. T is the queries'
 // and output's type, C the cache's: T, or int8 with a float scale per (token, head).
+// In the int8 pair layout, keys are [D/2, bs, 2] with kd the stride of a pair of dims, and
+// values [bs/2, D, 2] with vt the stride of a pair of tokens.
 template <typename T, typename C>
 struct Task {
   const T* q;            // [G, D] at head stride qh, dims unit: this head group's queries
@@ -162,16 +171,174 @@ void attend(const Task<T, C>& a, float scale, float* qf, float* scores, int64_t 
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__)
+#define BRAID_INT8_PAIRS 1
+
+// x[0:n] * r rounded to int16 (n a multiple of VL), saturated (only a NaN can reach it).
+template <typename T>
+inline void to_int16(const T* x, int64_t n, float r, int16_t* out) {
+  for (int64_t i = 0; i < n; i += VL) {
+    const __m512i v = _mm512_cvtps_epi32(load(x + i) * Vec(r));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtsepi32_epi16(v));
+  }
+}
+
+// The step that rounds n elements (a multiple of VL) to int16 with the largest magnitude as
+// 32767: 2^-16 of it at most, about a hundredth of the int8 rows' own rounding. A NaN stays
+// NaN (its step is NaN), so the output carries it as the fp32 path does.
+template <typename T>
+inline float int16_step(const T* x, int64_t n) {
+  Vec largest(0.f);
+  for (int64_t i = 0; i < n; i += VL) largest = at::vec::maximum(largest, load(x + i).abs());
+  const float m = at::vec::vec_reduce_all<float>(
+      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, largest);
+  return m == 0.f ? 1.f : m / 32767.f;
+}
+
+// Scores of N chunks of VL tokens from chunk c0 (tokens c0 * VL on), with G * N independent
+// int32 accumulators: |sum| <= D/2 * 2 * 32767 * 127, within int32 for D up to 512. The keys
+// N chunks on and the chunks' values and scales are prefetched.
+template <int G, int N, typename T>
+inline void pair_scores(const Task<T, int8_t>& a, int64_t c0, int64_t chunks,
+                        const int32_t* qpairs, const float* qstep, float* scores, int64_t L) {
+  const int64_t per_block = a.bs / VL;
+  const int8_t* kp[N];
+  for (int j = 0; j < N; ++j) {
+    const int64_t c = c0 + j, w = c / per_block, t = c % per_block * VL;
+    kp[j] = a.k + a.table[w] * a.k_block + 2 * t;
+    if (c + N < chunks) {
+      const int64_t n = c + N, nw = n / per_block, nt = n % per_block * VL;
+      prefetch(a.k + a.table[nw] * a.k_block + 2 * nt, a.D * VL);
+      __builtin_prefetch(a.ks + a.table[nw] * a.s_block + nt);
+    }
+    prefetch(a.v + a.table[w] * a.v_block + t / 2 * a.vt, VL * a.D);
+    __builtin_prefetch(a.vs + a.table[w] * a.s_block + t);
+  }
+  __m512i acc[N][G];
+  for (int j = 0; j < N; ++j)
+    for (int g = 0; g < G; ++g) acc[j][g] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < a.D / 2; ++i) {
+    __m512i x[N];
+    for (int j = 0; j < N; ++j)
+      x[j] = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp[j] + i * a.kd)));
+    for (int g = 0; g < G; ++g) {
+      const __m512i qg = _mm512_set1_epi32(qpairs[g * a.D / 2 + i]);
+      for (int j = 0; j < N; ++j) acc[j][g] = _mm512_dpwssd_epi32(acc[j][g], x[j], qg);
+    }
+  }
+  for (int j = 0; j < N; ++j) {
+    const int64_t c = c0 + j, w = c / per_block, t = c % per_block * VL;
+    const Vec ks = Vec::loadu(a.ks + a.table[w] * a.s_block + t);
+    for (int g = 0; g < G; ++g)
+      (Vec(_mm512_cvtepi32_ps(acc[j][g])) * ks * Vec(qstep[g]))
+          .store(scores + g * L + w * a.bs + t);
+  }
+}
+
+// out[g] = inv[g] * sum_t p[g][t] v[t] with p (softmax numerators times the value scales)
+// rounded to int16 per head, pairs of tokens at a time. The int32 sums are moved to fp32
+// every 512 tokens, before they could overflow (256 pairs of 2 * 32767 * 127).
+template <int G, int DC, typename T>
+void pair_values(const Task<T, int8_t>& a, float* p, const float* inv, int16_t* p16,
+                 int64_t L) {
+  const int64_t padded = (a.len + VL - 1) / VL * VL;
+  float pstep[G];
+  for (int g = 0; g < G; ++g) {
+    float* pg = p + g * L;
+    std::fill(pg + a.len, pg + padded, 0.f);  // the last pair's second token may be past len
+    pstep[g] = int16_step(pg, padded);
+    to_int16(pg, padded, 1.f / pstep[g], p16 + g * L);
+    pstep[g] *= inv[g];
+  }
+  const int32_t* ppairs = reinterpret_cast<const int32_t*>(p16);
+  const int64_t blocks = (a.len + a.bs - 1) / a.bs, flush = std::max<int64_t>(1, 512 / a.bs);
+  for (int64_t d0 = 0; d0 < a.D; d0 += DC * VL) {
+    Vec sum[G][DC];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < DC; ++c) sum[g][c] = Vec(0.f);
+    for (int64_t w0 = 0; w0 < blocks; w0 += flush) {
+      __m512i acc[G][DC];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_setzero_si512();
+      for (int64_t w = w0; w < std::min(blocks, w0 + flush); ++w) {
+        const int8_t* vp = a.v + a.table[w] * a.v_block + 2 * d0;
+        const int32_t* pw = ppairs + w * a.bs / 2;
+        const int64_t pairs = (std::min(a.bs, a.len - w * a.bs) + 1) / 2;
+        for (int64_t j = 0; j < pairs; ++j) {
+          for (int c = 0; c < DC; ++c) {
+            const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(vp + j * a.vt + c * 2 * VL)));
+            for (int g = 0; g < G; ++g) {
+              const __m512i pg = _mm512_set1_epi32(pw[g * L / 2 + j]);
+              acc[g][c] = _mm512_dpwssd_epi32(acc[g][c], x, pg);
+            }
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < DC; ++c) sum[g][c] = sum[g][c] + Vec(_mm512_cvtepi32_ps(acc[g][c]));
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < DC; ++c) store(sum[g][c] * Vec(pstep[g]), a.out + g * a.D + d0 + c * VL);
+  }
+}
+
+// `attend` for an int8 cache in the pair layout; `halves` holds G * max(D, L) int16.
+template <int G, typename T>
+void attend_pairs(const Task<T, int8_t>& a, float scale, int16_t* halves, float* scores,
+                  int64_t L) {
+  float qstep[G];
+  for (int g = 0; g < G; ++g) {
+    qstep[g] = int16_step(a.q + g * a.qh, a.D);
+    to_int16(a.q + g * a.qh, a.D, 1.f / qstep[g], halves + g * a.D);
+    qstep[g] *= scale;
+  }
+  const int32_t* qpairs = reinterpret_cast<const int32_t*>(halves);
+  // 4 chunks at a time (G * 4 accumulators) where that leaves registers for the keys
+  constexpr int N = G <= 6 ? 4 : 2;
+  const int64_t chunks = (a.len + VL - 1) / VL;
+  int64_t c = 0;
+  for (; c + N <= chunks; c += N) pair_scores<G, N>(a, c, chunks, qpairs, qstep, scores, L);
+  for (; c < chunks; ++c) pair_scores<G, 1>(a, c, chunks, qpairs, qstep, scores, L);
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = softmax_numerators(scores + g * L, a.len);
+  scale_by_values<G>(a, scores, L);
+  if (a.D % (4 * VL) == 0) {
+    pair_values<G, 4>(a, scores, inv, halves, L);
+  } else {
+    pair_values<G, 1>(a, scores, inv, halves, L);
+  }
+}
+#endif
+
+// Where a layer's cache keeps its blocks, heads and rows (strides in elements), in the
+// tokens-innermost layout or the int8 pair layout.
+struct Geometry {
+  int64_t bs, Hk, D, k_block, k_head, kd, v_block, v_head, vt;
+  bool pairs;
+};
+
+// The task's G query heads of one KV head, by the layout.
+template <int G, typename T, typename C>
+void attend_task(const Task<T, C>& a, bool pairs, float scale, float* qf, int16_t* halves,
+                 float* scores, int64_t L) {
+#ifdef BRAID_INT8_PAIRS
+  if constexpr (std::is_same_v<C, int8_t>) {
+    if (pairs) return attend_pairs<G>(a, scale, halves, scores, L);
+  }
+#endif
+  attend<G>(a, scale, qf, scores, L);
+}
+
 template <typename T, typename C>
-void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+void attend_all(const at::Tensor& q, const Geometry& geo, const C* kp, const C* vp,
                 const c10::optional<at::Tensor>& k_scales,
                 const c10::optional<at::Tensor>& v_scales, const at::Tensor& tables,
                 const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t bs = k_cache.size(1), Hk = k_cache.size(2), G = Hq / Hk, W = tables.size(1);
+  const int64_t B = q.size(0), Hq = q.size(1), D = geo.D, Hk = geo.Hk, bs = geo.bs;
+  const int64_t G = Hq / Hk, W = tables.size(1);
   const T* qp = q.data_ptr<T>();
-  const C* kp = k_cache.data_ptr<C>();
-  const C* vp = v_cache.data_ptr<C>();
   const float* ksp = k_scales ? k_scales->data_ptr<float>() : nullptr;
   const float* vsp = v_scales ? v_scales->data_ptr<float>() : nullptr;
   const int64_t s_block = k_scales ? k_scales->stride(0) : 0;
@@ -181,15 +348,20 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   T* op = out.data_ptr<T>();
   at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), scores(G * W * bs);
+    std::vector<int16_t> halves(geo.pairs ? G * std::max(D, W * bs) : 0);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / Hk, h = i % Hk;
-      const Task<T, C> a{qp + b * q.stride(0) + h * G * q.stride(1), kp + h * k_cache.stride(2),
-                         vp + h * v_cache.stride(2), ksp ? ksp + h * s_head : nullptr,
+      const Task<T, C> a{qp + b * q.stride(0) + h * G * q.stride(1), kp + h * geo.k_head,
+                         vp + h * geo.v_head, ksp ? ksp + h * s_head : nullptr,
                          vsp ? vsp + h * s_head : nullptr, tp + b * W, q.stride(1), lp[b], D,
-                         bs, k_cache.stride(0), k_cache.stride(3), v_cache.stride(0),
-                         v_cache.stride(1), s_block, op + (b * Hq + h * G) * D};
+                         bs, geo.k_block, geo.kd, geo.v_block, geo.vt, s_block,
+                         op + (b * Hq + h * G) * D};
       switch (G) {
-#define BRAID_GROUP(N) case N: attend<N>(a, float(scale), qf.data(), scores.data(), W * bs); break;
+#define BRAID_GROUP(N)                                                                  \
+  case N:                                                                               \
+    attend_task<N>(a, geo.pairs, float(scale), qf.data(), halves.data(), scores.data(), \
+                   W * bs);                                                             \
+    break;
         BRAID_GROUP(1) BRAID_GROUP(2) BRAID_GROUP(3) BRAID_GROUP(4)
         BRAID_GROUP(5) BRAID_GROUP(6) BRAID_GROUP(7) BRAID_GROUP(8)
 #undef BRAID_GROUP
@@ -199,39 +371,70 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 }
 
 template <typename T>
-void attend_all_of_cache(const at::Tensor& q, const at::Tensor& k_cache,
+void attend_all_of_cache(const at::Tensor& q, const Geometry& geo, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scales,
                          const c10::optional<at::Tensor>& v_scales, const at::Tensor& tables,
                          const at::Tensor& seq_lens, double scale, at::Tensor& out) {
   if (k_cache.scalar_type() == at::kChar) {
-    attend_all<T, int8_t>(q, k_cache, v_cache, k_scales, v_scales, tables, seq_lens, scale, out);
+    attend_all<T, int8_t>(q, geo, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+                          k_scales, v_scales, tables, seq_lens, scale, out);
   } else {
-    attend_all<T, T>(q, k_cache, v_cache, k_scales, v_scales, tables, seq_lens, scale, out);
+    attend_all<T, T>(q, geo, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_scales, v_scales,
+                     tables, seq_lens, scale, out);
   }
+}
+
+// The caches' geometry, checked: [blocks, bs, Hk, D] views laid out tokens innermost, or
+// the int8 pair layout's keys [blocks, bs/2, 2, Hk, D/2, 2] and values [blocks, bs/2, 2, Hk,
+// D] (braid/layers/kv_layout.py).
+Geometry geometry_of(const at::Tensor& k, const at::Tensor& v) {
+  if (k.dim() == 4) {
+    TORCH_CHECK(v.sizes() == k.sizes(),
+                "paged_decode_attention: caches [blocks, bs, Hk, D] of one shape");
+    TORCH_CHECK(k.stride(1) == 1 && v.stride(3) == 1,
+                "paged_decode_attention: caches must be laid out tokens innermost");
+    return {k.size(1), k.size(2), k.size(3), k.stride(0), k.stride(2), k.stride(3),
+            v.stride(0), v.stride(2), v.stride(1), false};
+  }
+  constexpr const char* shapes =
+      "paged_decode_attention: caches [blocks, bs, Hk, D], or the int8 pair layout's keys "
+      "[blocks, bs/2, 2, Hk, D/2, 2] and values [blocks, bs/2, 2, Hk, D]";
+  TORCH_CHECK(k.dim() == 6 && v.dim() == 5 && k.scalar_type() == at::kChar, shapes);
+  const int64_t bs = 2 * k.size(1), Hk = k.size(3), D = 2 * k.size(4);
+  TORCH_CHECK(k.size(2) == 2 && k.size(5) == 2 &&
+                  v.sizes() == at::IntArrayRef({k.size(0), bs / 2, 2, Hk, D}), shapes);
+  TORCH_CHECK(k.stride(5) == 1 && k.stride(2) == 2 && k.stride(1) == 4 &&
+                  v.stride(2) == 1 && v.stride(4) == 2,
+              "paged_decode_attention: the pair layout's tokens and pairs innermost");
+#ifndef BRAID_INT8_PAIRS
+  TORCH_CHECK(false, "paged_decode_attention: the int8 pair layout needs AVX512-VNNI");
+#endif
+  TORCH_CHECK(D <= 512, "paged_decode_attention: the int8 pair layout's head_dim is at most "
+              "512 (its int32 sums)");
+  return {bs, Hk, D, k.stride(0), k.stride(3), k.stride(4), v.stride(0), v.stride(3),
+          v.stride(1), true};
 }
 
 // q: [B, Hq, D]; k_cache, v_cache: [blocks, bs, Hk, D] views whose keys are stored
 // [blocks, Hk, D, bs] and values [blocks, Hk, bs, D] (PagedAttention.allocate_cache,
-// tokens_innermost), of q's dtype or int8; k_scales, v_scales (int8 caches only): [blocks,
-// bs, Hk] float views stored [blocks, Hk, bs], one per token and head (a value is its int8
-// times its scale); block_tables: [B, W]; seq_lens: [B], each 1 to W * bs.
+// tokens_innermost), of q's dtype or int8, or int8 in the pair layout (`geometry_of`);
+// k_scales, v_scales (int8 caches only): [blocks, bs, Hk] float views stored [blocks, Hk, bs],
+// one per token and head (a value is its int8 times its scale); block_tables: [B, W];
+// seq_lens: [B], each 1 to W * bs.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache,
                                   const c10::optional<at::Tensor>& k_scales,
                                   const c10::optional<at::Tensor>& v_scales,
                                   const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "paged_decode_attention: q [B, Hq, D], caches [blocks, bs, Hk, D]");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0 &&
-                  q.size(1) / k_cache.size(2) <= 8,
-              "paged_decode_attention: head_dim must match and Hq be Hk times 1 to 8");
-  TORCH_CHECK(k_cache.stride(1) == 1 && v_cache.stride(3) == 1,
-              "paged_decode_attention: caches must be laid out tokens innermost");
-  TORCH_CHECK(k_cache.size(1) % VL == 0 && q.size(2) % VL == 0,
-              "paged_decode_attention: block size and head_dim must be multiples of ", VL);
+  TORCH_CHECK(q.dim() == 3, "paged_decode_attention: q [B, Hq, D]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
               "paged_decode_attention: key and value caches of one dtype");
+  const Geometry geo = geometry_of(k_cache, v_cache);
+  TORCH_CHECK(q.size(2) == geo.D && q.size(1) % geo.Hk == 0 && q.size(1) / geo.Hk <= 8,
+              "paged_decode_attention: head_dim must match and Hq be Hk times 1 to 8");
+  TORCH_CHECK(geo.bs % VL == 0 && geo.D % VL == 0,
+              "paged_decode_attention: block size and head_dim must be multiples of ", VL);
   const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(int8 || q.scalar_type() == k_cache.scalar_type(),
               "paged_decode_attention: caches of q's dtype, or int8");
@@ -239,8 +442,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "paged_decode_attention: int8 caches come with their scales, others without");
   if (int8) {
     for (const at::Tensor& s : {*k_scales, *v_scales}) {
-      TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 3 &&
-                      s.sizes() == k_cache.sizes().slice(0, 3) && s.stride(1) == 1 &&
+      TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 3 && s.size(0) == k_cache.size(0)
+                      && s.size(1) == geo.bs && s.size(2) == geo.Hk && s.stride(1) == 1 &&
                       s.strides() == k_scales->strides(),
                   "paged_decode_attention: scales float [blocks, bs, Hk], tokens innermost");
     }
@@ -257,18 +460,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const at::Tensor lens = seq_lens.contiguous();
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= tables.size(1) * k_cache.size(1),
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= tables.size(1) * geo.bs,
                 "paged_decode_attention: sequence ", b, " has ", lp[b],
-                " keys, outside 1 to its block table's ", tables.size(1) * k_cache.size(1));
+                " keys, outside 1 to its block table's ", tables.size(1) * geo.bs);
   }
   at::Tensor out = at::empty(qv.sizes(), qv.options());
   if (q.scalar_type() == at::kBFloat16) {
-    attend_all_of_cache<at::BFloat16>(qv, k_cache, v_cache, k_scales, v_scales, tables, lens,
-                                      scale, out);
+    attend_all_of_cache<at::BFloat16>(qv, geo, k_cache, v_cache, k_scales, v_scales, tables,
+                                      lens, scale, out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode_attention: bf16 or fp32");
-    attend_all_of_cache<float>(qv, k_cache, v_cache, k_scales, v_scales, tables, lens, scale,
-                               out);
+    attend_all_of_cache<float>(qv, geo, k_cache, v_cache, k_scales, v_scales, tables, lens,
+                               scale, out);
   }
   return out;
 }
