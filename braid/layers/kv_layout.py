@@ -31,8 +31,8 @@ def allocate(layout: str, num_blocks: int, block_size: int, heads: int, head_dim
 
     blocks, pairs = num_blocks, block_size // 2
     if layout == TOKEN_MAJOR:
-        return zeros(blocks, block_size, heads, head_dim), zeros(blocks, block_size, heads,
-                                                                 head_dim)
+        shape = (blocks, block_size, heads, head_dim)
+        return zeros(*shape), zeros(*shape)
     if layout == TOKENS_INNERMOST:
         keys = zeros(blocks, heads, head_dim, block_size).permute(0, 3, 1, 2)
         return keys, zeros(blocks, heads, block_size, head_dim).permute(0, 2, 1, 3)
