@@ -13,6 +13,8 @@ from braid.engine.batch import ForwardBatch
 from braid.engine.compiled_step import (
     WARM_UP_ROWS,
     CompiledDecodeStep,
+    dynamo_bytecode,
+    generated_function,
     inductor_config,
     step_compile_applies,
     warm_up_plans,
@@ -95,28 +97,40 @@ def test_decode_block_tables_are_never_narrower_than_the_traced_width():
     assert meta.key_mask.sum().item() == WARM_UP_ROWS * 3
 
 
-def test_a_step_no_graph_serves_compiles_one_instead_of_failing(tiny_model):
-    """Under the skipped guards dynamo refuses a step that needs a new graph (before running
-    anything); the step then checks guards in full and compiles, with a warning."""
-    from torch._dynamo.eval_frame import _is_skip_guard_eval_unsafe_stance
+def test_the_generated_code_runs_the_graph_without_dynamo():
+    """What a warmed-up step calls: dynamo's code for the function, run with no guard check
+    (an input dynamo would recompile for runs the same graph) and the same answer."""
+    compiles = []
 
+    def counting_backend(graph_module, example_inputs):
+        compiles.append(graph_module)
+        return graph_module.forward
+
+    def scaled(x):
+        return x * 2 + 1
+
+    compiled = torch.compile(scaled, backend=counting_backend, dynamic=True)
+    with dynamo_bytecode() as generated:
+        compiled(torch.ones(3))
+    direct = generated_function(generated, scaled)
+    assert direct is not None and len(compiles) == 1
+    x = torch.arange(5, dtype=torch.float64)  # another dtype: a guard dynamo would fail
+    assert torch.equal(direct(x), x * 2 + 1)
+    assert len(compiles) == 1
+    assert generated_function(generated, test_warm_up_plans_are_decode_steps_in_block_zero) is None
+
+
+def test_steps_go_through_dynamo_where_warm_up_generated_no_code(tiny_model):
+    """A shape class whose warm-up produced no code of dynamo's (here: `_forward` is not
+    compiled) runs through `_forward`, guards checked in full."""
     step = CompiledDecodeStep(tiny_model, tiny_model.operations(), announce=False)
-    calls = []
-
-    def forward(batch):
-        calls.append(_is_skip_guard_eval_unsafe_stance())
-        if calls[-1] and len(calls) > 2:  # the second step after warm-up is unforeseen
-            raise RuntimeError("Recompilation triggered with skip_guard_eval_unsafe stance.")
-        return torch.zeros(1)
-
-    step._forward = forward
-    batch = ForwardBatch(warm_up_plans(16)[0], 16, "cpu")
-    assert step.warm_up([batch]) is True
-    step(batch)
-    with pytest.warns(UserWarning, match="shape not compiled at start-up"):
-        assert step(batch) is not None
-    step(batch)
-    assert calls == [False, True, True, False, False]
+    seen = []
+    step._forward = lambda batch: seen.append(batch.num_tokens) or torch.zeros(1)
+    batches = [ForwardBatch(plan, 16, "cpu") for plan in warm_up_plans(16)]
+    assert step.warm_up(batches) is True
+    for batch in batches:
+        step(batch)
+    assert seen == [1, WARM_UP_ROWS] * 2
 
 
 def test_other_errors_of_the_step_propagate(tiny_model):
