@@ -243,6 +243,7 @@ def generated_function(generated: list[tuple[CodeType, CodeType]],
         return None
     return FunctionType(codes[0], function.__globals__, function.__name__)
 
+
 def warm_up_plans(block_size: int) -> list[StepPlan]:
     """Decode steps of each batch size class (one sequence; `WARM_UP_ROWS`, standing for
     several), each attending to two blocks' worth of keys (`DECODE_MIN_BLOCKS`: no decode step
