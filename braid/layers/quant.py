@@ -1,13 +1,17 @@
 """The weight forms a linear layer's GEMM reads, made at load time from any checkpoint.
 
-**Packed bf16 (CPU, default).** oneDNN's blocked copy of each bf16 linear weight replaces the
-row-major one: the GEMM no longer reorders the weight on every call. Measured on AMX (2 cores,
-SmolLM2's shapes, weights streamed from memory): 1.4x faster at 1-128 rows, 2.7x at 256 (where
-the row-major GEMM takes a slow path), equal at 512-2048; bit-identical results. fp32 keeps the
-row-major weights (oneDNN's packed fp32 GEMM was not faster). `--no-weight-packing` turns it off.
+**Packed bf16 (CPU, default).** Each bf16 linear weight also gets oneDNN's blocked copy, which
+GEMMs of at most `PACKED_MAX_ROWS` rows (decode, short prompts) read: they no longer reorder the
+weight on every call. Measured on AMX (2 cores, SmolLM2's shapes, weights streamed from memory):
+1.4x faster at 1-128 rows, 2.7x at 256 (where the row-major GEMM takes a slow path);
+bit-identical results. Larger GEMMs read the row-major weight, which is kept: in whole prefill
+steps on the same host it was faster from 512 rows on (1 x 512 1.07x, 2 x 512 1.04x, 8 x 512
+1.14x, the row-major model faster in 20 of 24 interleaved steps at 512-4096 rows). The copy
+costs the weights' bytes again. fp32 keeps the row-major weights only (oneDNN's packed fp32 GEMM
+was not faster). `--no-weight-packing` turns it off.
 A SwiGLU's merged gate/up weight is packed as its two halves instead, and `gated_silu` applies
-SiLU and the product in the two GEMMs' oneDNN epilogues: prefill 8 x 512 1.08x on AMX, but eager
-decode steps 0.95-0.97x at 1 row and 0.98-0.99x at 32 (two GEMM calls instead of one; the
+SiLU and the product in the two GEMMs' oneDNN epilogues (eager decode steps 0.95-0.97x at 1 row
+and 0.98-0.99x at 32 against one merged packed GEMM, but no pass over the activation; the
 compiled decode step, `--compile on`, reads row-major weights and is unaffected).
 
 **int8 (`--quantization int8`).** Each linear layer's weight gets an int8 copy, symmetric per
@@ -66,7 +70,7 @@ class Quantizable:
     other forms; `forward` passes them all to `linear`."""
 
     int8: Int8Weight | None = None
-    packed: torch.Tensor | None = None  # oneDNN's blocked copy; the row-major weight is dropped
+    packed: torch.Tensor | None = None  # oneDNN's blocked copy, beside the row-major weight
     # False where other code reads the weight as a matrix (MLA's kv_b_proj), or where the
     # row-major weight is the faster GEMM operand (the LM head under tensor parallelism)
     packable = True
@@ -100,7 +104,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
            int8: Int8Weight | None = None, out: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, gemv: bool = False) -> torch.Tensor:
     """`F.linear`, through the int8 weights where `int8_applies`, else through the packed
-    weight where there is one (then `weight` is None); with `gemv`, a row traced into the
+    weight where `packed_applies`; with `gemv`, a row traced into the
     compiled step goes through `decode_kernel.gemv` instead (int8 or dense). Written into
     `out` where given (the int8, oneDNN and GEMV kernels return a new tensor, copied once: a few
     rows where it matters)."""
@@ -116,7 +120,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
         y = decode_kernel.gemv(x, weight)
         y = y if bias is None else y + bias
         return y if out is None else out.copy_(y)
-    if packed is not None:
+    if packed is not None and packed_applies(x):
         rows = x.reshape(-1, x.shape[-1])
         y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
         y = y.view(*x.shape[:-1], y.shape[-1])
@@ -143,6 +147,13 @@ def quantize_linear_layers(model: nn.Module) -> None:
 
 # The row count oneDNN lays the blocks out for: measured at least as fast as row-major at 1-2048.
 PACK_HINT_ROWS = 256
+# GEMMs of at most this many rows read the packed weights (see the module docstring)
+PACKED_MAX_ROWS = 256
+
+
+def packed_applies(x: torch.Tensor) -> bool:
+    """Whether a GEMM of `x` reads the packed weights where a layer has them."""
+    return x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
@@ -153,10 +164,9 @@ def packing_supported(weight: torch.Tensor) -> bool:
 
 
 def pack_linear_layers(model: nn.Module) -> None:
-    """Replace the bf16 weight of every packable linear layer by oneDNN's blocked copy (the
-    row-major weight is freed: memory does not grow, except by the copy of a tied LM head's
-    weight at tp 1). Other dtypes and devices stay as they are.
-    Runs after `quantize_linear_layers`, which reads the row-major weights."""
+    """Give the bf16 weight of every packable linear layer oneDNN's blocked copy, for
+    `packed_applies` GEMMs (the row-major weight stays for larger ones). Other dtypes and
+    devices stay as they are."""
     for layer in model.modules():
         if not isinstance(layer, Quantizable) or not layer.packable:
             continue
@@ -166,8 +176,6 @@ def pack_linear_layers(model: nn.Module) -> None:
                 layer.packed_halves = tuple(_pack(half.contiguous()) for half in weight.chunk(2))
             else:
                 layer.packed = _pack(weight)
-            if layer.weight is weight:  # not a tied LM head's (the embedding reads that one)
-                layer.weight = None
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -176,9 +184,10 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 def swiglu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of a merged [gate | up] projection (`Quantizable.gated`), through the
-    weight form `linear` would read: the packed halves (`gated_silu`) where there are some and
-    the int8 weights do not apply, else the layer's product and `silu_mul`."""
-    if layer.packed_halves is not None and not int8_applies(x, layer.int8):
+    weight form `linear` would read: the packed halves (`gated_silu`) where there are some,
+    they apply and the int8 weights do not, else the layer's product and `silu_mul`."""
+    if (layer.packed_halves is not None and packed_applies(x)
+            and not int8_applies(x, layer.int8)):
         return gated_silu(x, *layer.packed_halves)
     return silu_mul(layer(x))
 
