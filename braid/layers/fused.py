@@ -48,6 +48,20 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def _rotate_by_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      interleaved: bool) -> torch.Tensor:
+    """`_rotate` for the compiler, the same bits: each rotated half is written into its place
+    of the output instead of joined by `cat`, whose compiled form was the slower (4,096 tokens
+    x 12 heads of SmolLM2 after their GEMM, 2-core Xeon: 2.8-3.1 ms against 4.5-5.7)."""
+    xf = x.float()
+    x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleaved else xf.chunk(2, dim=-1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o1, o2 = out.chunk(2, dim=-1)
+    o1.copy_(x1 * cos - x2 * sin)
+    o2.copy_(x2 * cos + x1 * sin)
+    return out
+
+
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -66,7 +80,7 @@ def _add_pair_formula(a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor) 
 
 _EAGER: dict[str, Callable] = {"rms_norm": _rms_norm_eager, "rotate": _rotate,
                                "silu_mul": _silu_mul, "add_pair": _add_pair}
-_TO_COMPILE: dict[str, Callable] = {**_EAGER, "rms_norm": _rms_norm,
+_TO_COMPILE: dict[str, Callable] = {**_EAGER, "rms_norm": _rms_norm, "rotate": _rotate_by_halves,
                                     "add_pair": _add_pair_formula}
 # Fewest rows at which each compiled kernel runs. The pair sum wins from 512 rows in 16-bit
 # (1,024: 240 us against 339 eager; 2,048: 509 against 773, one thread); fp32 adds gain nothing.
