@@ -195,16 +195,20 @@ def test_shm_is_refused_where_stores_are_not_totally_ordered(monkeypatch):
 
 
 def test_long_prompt_logits_with_overlap_do_not_deadlock(model_path):
-    """The report's reproduction: 3,000 prompt positions' logits are gathered in about 25
-    slot-sized chunks through an 8-slot ring while the other micro-batch holds a slot."""
+    """The report's reproduction, scaled down: 1,000 prompt positions' logits (half the
+    vocabulary per rank, fp32) are gathered in 24 chunks of the smallest slot (4 MiB, for 1,024
+    batched tokens) through an 8-slot ring while the other micro-batch holds a slot. Without
+    the fix (a post reusing the next slot whether or not this rank still holds it) this ended
+    in `ShmTimeout: ... did not release #130`, as the report's 3,000 positions did."""
     from braid import LLM
 
-    prompt = [list(range(1, 3001))]
+    prompt = [list(range(1, 1001))]
     with LLM(model_path, tp=1, dtype="fp32") as llm:
         reference = llm.prompt_logits(prompt)[0]
-    with LLM(model_path, tp=2, dtype="fp32", comm="shm", overlap="on") as llm:
+    with LLM(model_path, tp=2, dtype="fp32", comm="shm", overlap="on",
+             max_num_batched_tokens=1024) as llm:
         logits = llm.prompt_logits(prompt)[0]
-    assert logits.shape == reference.shape == (3000, 49152)
+    assert logits.shape == reference.shape == (1000, 49152)
     # fp32 sums in another order: near ties may swap, nothing else moves
     assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() > 0.999
     assert (logits - reference).abs().max() < 1e-2
