@@ -100,11 +100,11 @@ def int8_applies(x: torch.Tensor, int8: Int8Weight | None) -> bool:
     return x.shape[0] <= INT8_MAX_ROWS
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            int8: Int8Weight | None = None, out: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, gemv: bool = False) -> torch.Tensor:
     """`F.linear`, through the int8 weights where `int8_applies`, else through the packed
-    weight where `packed_applies`; with `gemv`, a row traced into the
+    weight where there is one and `packed_applies`; with `gemv`, a row traced into the
     compiled step goes through `decode_kernel.gemv` instead (int8 or dense). Written into
     `out` where given (the int8, oneDNN and GEMV kernels return a new tensor, copied once: a few
     rows where it matters)."""
@@ -145,7 +145,7 @@ def quantize_linear_layers(model: nn.Module) -> None:
         layer.int8 = Int8Weight.quantize(layer.quantizable_weight())
 
 
-# The row count oneDNN lays the blocks out for: measured at least as fast as row-major at 1-2048.
+# The row count oneDNN lays the blocks out for (packing for a step's exact row count was no faster)
 PACK_HINT_ROWS = 256
 # GEMMs of at most this many rows read the packed weights (see the module docstring)
 PACKED_MAX_ROWS = 256
