@@ -373,3 +373,51 @@ def test_a_nan_row_in_an_int8_cache_reads_back_as_nan():
     stored = gather_blocks(attn.k_cache, torch.tensor([[1]]), attn.k_scales, torch.float32)[0]
     assert stored[0, 1].isnan().all() and not stored[0, 0].isnan().any()
     assert not stored[1].isnan().any()
+
+
+def _prefill_kernel_fits(head_dim: int = 64) -> bool:
+    from braid.layers import decode_kernel
+
+    return decode_kernel.prefill_fits(9, 3, head_dim, torch.bfloat16)
+
+
+@pytest.mark.skipif(not _prefill_kernel_fits(), reason="the prefill operator needs bf16 AMX")
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize(("tokens", "prefix", "head_dim"),
+                         [(300, 0, 64), (45, 21, 64), (1, 130, 64), (128, 0, 128),
+                          (7, 250, 32), (260, 300, 64)])
+def test_prefill_kernel_matches_the_reference(heads, tokens, prefix, head_dim):
+    """Query and key blocks that do and do not divide the tokens (128 each), with and without
+    a prefix, two sequences; bf16 inputs against fp64 on the same (rounded) values."""
+    from braid.layers import decode_kernel
+
+    assert decode_kernel.load()
+    gen = torch.Generator().manual_seed(tokens + prefix)
+    hq, hk = heads
+    q = torch.randn(2, tokens, hq, head_dim, generator=gen).bfloat16()
+    keys, values = (torch.randn(2, prefix + tokens, hk, head_dim, generator=gen).bfloat16()
+                    for _ in range(2))
+    scale = head_dim ** -0.5
+    out = decode_kernel.causal_prefill_attention(q, keys, values, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    for b in range(2):
+        expected = reference(q[b], keys[b], values[b], prefix, scale)
+        # softmax weights rounded to bf16 (2^-9) before the second GEMM, the output once more
+        torch.testing.assert_close(out[b].double(), expected, atol=2e-2, rtol=2e-2)
+        assert (out[b].double() - expected).abs().mean() < 2e-3
+
+
+@pytest.mark.skipif(not _prefill_kernel_fits(), reason="the prefill operator needs bf16 AMX")
+def test_prefill_kernel_refuses_what_it_cannot_compute():
+    from braid.layers import decode_kernel
+    from braid.layers.decode_kernel import causal_prefill_attention
+
+    assert decode_kernel.load()
+    q = torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bf16 q, k and v"):
+        causal_prefill_attention(q.float(), q.float(), q.float(), 1.0)
+    with pytest.raises(RuntimeError, match="head dim a multiple of 32"):
+        causal_prefill_attention(q[..., :48], q[..., :48], q[..., :48], 1.0)
+    with pytest.raises(RuntimeError, match="mismatched shapes"):
+        causal_prefill_attention(q, q[:, :3], q[:, :3], 1.0)
+    assert not _prefill_kernel_fits(48)

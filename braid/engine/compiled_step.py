@@ -99,9 +99,10 @@ def inductor_config(model: nn.Module, one_sequence: bool) -> dict:
 
 def use_decode_kernels(model: nn.Module, gemv: bool = True) -> None:
     """`decode_kernel`'s operators wherever they fit, if they build: decode attention in every
-    attention layer and, with `gemv` (the compiled step, whose graph reads row-major weights),
-    the GEMV in every linear layer (the LM head included) for the weight its one-row product
-    reads, int8 or dense."""
+    attention layer, prefill attention where `decode_kernel.prefill_fits` (bf16 with AMX)
+    and, with `gemv` (the compiled step, whose graph reads row-major weights), the GEMV in
+    every linear layer (the LM head included) for the weight its one-row product reads, int8
+    or dense."""
     dtype = next(model.parameters()).dtype
     attention = [attn for attn in model.attention_layers()
                  if len(attn.runs) == 1
@@ -113,6 +114,8 @@ def use_decode_kernels(model: nn.Module, gemv: bool = True) -> None:
     if (attention or linears) and decode_kernel.load():
         for attn in attention:
             attn.use_decode_kernel = True
+            attn.use_prefill_kernel = decode_kernel.prefill_fits(
+                attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype)
         for layer in linears:
             layer.gemv = True
 

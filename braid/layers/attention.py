@@ -18,7 +18,11 @@ from braid.layers.attention_ops import (
     decode_attention,
     traced_decode_attention,
 )
-from braid.layers.decode_kernel import int8_pairs_fit, paged_decode_attention
+from braid.layers.decode_kernel import (
+    causal_prefill_attention,
+    int8_pairs_fit,
+    paged_decode_attention,
+)
 
 
 class PagedAttention(nn.Module):
@@ -56,6 +60,9 @@ class PagedAttention(nn.Module):
         # attention is then the C++ operator instead of `traced_decode_attention`) and for
         # eager decode steps (`compiled_step.eager_decode_reads_kernel`).
         self.use_decode_kernel = False
+        # Set where `decode_kernel.prefill_fits` (bf16 with AMX): prefill attention is then
+        # the C++ operator, for fresh prompts and chunks over a cached prefix alike.
+        self.use_prefill_kernel = False
 
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device, tokens_innermost: bool = False) -> None:
@@ -121,7 +128,8 @@ class PagedAttention(nn.Module):
                                 padded=self.decode_padded, kept=self.decode_kept)
         elif meta.equal_fresh:
             shape = (meta.batch_size, meta.q_lens[0], -1, self.head_dim)
-            kernel = (blocked_causal_attention if blocked_prefill_is_faster(q.dtype, q.device)
+            kernel = (causal_prefill_attention if self.use_prefill_kernel
+                      else blocked_causal_attention if blocked_prefill_is_faster(q.dtype, q.device)
                       else batched_causal_attention)
             out = self._by_runs(kernel, q.view(shape), k.view(shape), v.view(shape), self.scale)
         else:
@@ -140,9 +148,11 @@ class PagedAttention(nn.Module):
                                  q.dtype)[0, :meta.kv_lens[b]]
             values = gather_blocks(self.v_cache, blocks[None], self.v_scales,
                                    q.dtype)[0, :meta.kv_lens[b]]
-        if blocked_prefill_is_faster(q.dtype, q.device):
-            return self._by_runs(blocked_causal_attention, q[rows][None], keys[None],
-                                 values[None], self.scale)[0]
+        if self.use_prefill_kernel or blocked_prefill_is_faster(q.dtype, q.device):
+            kernel = (causal_prefill_attention if self.use_prefill_kernel
+                      else blocked_causal_attention)
+            return self._by_runs(kernel, q[rows][None], keys[None], values[None],
+                                 self.scale)[0]
         return self._by_runs(causal_attention, q[rows], keys, values, meta.masks[b], self.scale)
 
     def _by_runs(self, kernel: Callable[..., torch.Tensor], q: torch.Tensor, keys: torch.Tensor,

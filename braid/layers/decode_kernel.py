@@ -1,10 +1,12 @@
-"""The decode step's C++ operators on CPU, built together into one library:
+"""The step's C++ operators on CPU, built together into one library:
 
 - `torch.ops.braid.paged_decode_attention`: decode attention over the paged KV cache, of the
   model's dtype or int8 (`csrc/paged_decode_attention.cpp`), in eager and compiled decode steps;
 - `torch.ops.braid.gemv_bf16` and `gemv_int8`: a linear layer's product for one row with its
   row-major bf16 weight or its int8 one (`csrc/gemv.cpp`), on CPUs with AVX512-BF16, in the
-  compiled step.
+  compiled step;
+- `torch.ops.braid.causal_prefill_attention`: causal attention of fresh prompts or chunks over
+  their keys, bf16 on CPUs with AMX (`csrc/prefill_attention.cpp`), in eager prefill.
 
 Inductor's code for the same reductions (`traced_decode_attention`) is bound by add latency and
 memory stalls: 500-610 us a layer for 32 sequences of 160 keys (SmolLM2's 9 query and 3 KV
@@ -35,7 +37,7 @@ from braid.config import cpu_flags
 from braid.layers import kv_layout
 
 _SOURCES = [Path(__file__).with_name("csrc") / name
-            for name in ("paged_decode_attention.cpp", "gemv.cpp")]
+            for name in ("paged_decode_attention.cpp", "gemv.cpp", "prefill_attention.cpp")]
 # torch's vector ISA (what at::vec compiles to) -> the macro that selects it
 _CAPABILITY_MACROS = {"AVX512": ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
                       "AVX2": ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]}
@@ -68,6 +70,10 @@ def load() -> bool:
     @torch.library.register_fake("braid::gemv_int8")
     def _(x, values, scales):
         return x.new_empty(x.shape[0], values.shape[0])
+
+    @torch.library.register_fake("braid::causal_prefill_attention")
+    def _(q, k, v, scale):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     return True
 
@@ -147,3 +153,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     if scales is None:
         return torch.ops.braid.gemv_bf16(x, weight)
     return torch.ops.braid.gemv_int8(x, weight, scales)
+
+
+def prefill_fits(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether `causal_prefill_attention` computes this prefill attention: bf16 on a CPU with
+    AMX (where it measured faster than SDPA; its GEMMs are oneDNN's AMX kernels), head dims a
+    multiple of 32, whole groups of query heads per KV head (where the library builds:
+    `load`)."""
+    flags = cpu_flags()
+    return (dtype == torch.bfloat16 and "amx_bf16" in flags and "avx512_bf16" in flags
+            and head_dim % 32 == 0 and heads % kv_heads == 0)
+
+
+def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """q: [B, T, Hq, D]; k, v: [B, L, Hk, D] with L >= T (the last T keys are the queries'
+    own; query t sees keys up to L - T + t), bf16, head dims contiguous -> [B, T, Hq, D].
+
+    2-core Xeon with AMX, SmolLM2's 9 query and 3 KV heads of 64: 8 x 512 tokens in 11.0 ms
+    against SDPA's 16.1 (same run), 1 x 2048 in 13.9 against 17.6."""
+    return torch.ops.braid.causal_prefill_attention(q, k, v, scale)
+
