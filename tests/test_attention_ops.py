@@ -408,6 +408,24 @@ def test_prefill_kernel_matches_the_reference(heads, tokens, prefix, head_dim):
 
 
 @pytest.mark.skipif(not _prefill_kernel_fits(), reason="the prefill operator needs bf16 AMX")
+def test_prefill_kernel_raises_a_rows_max_when_later_keys_score_far_higher():
+    """Keys that grow along the sequence: later key blocks' scores exceed what the first
+    block set as a row's max by far more than the operator lets its weights grow, so rows
+    are rescaled, some more than once."""
+    from braid.layers import decode_kernel
+
+    assert decode_kernel.load()
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 400, 9, 64, generator=gen).bfloat16()
+    growth = torch.linspace(0.1, 6.0, 400)[None, :, None, None]
+    keys = (torch.randn(1, 400, 3, 64, generator=gen) * growth).bfloat16()
+    values = torch.randn(1, 400, 3, 64, generator=gen).bfloat16()
+    out = decode_kernel.causal_prefill_attention(q, keys, values, 0.125)
+    expected = reference(q[0], keys[0], values[0], 0, 0.125)
+    torch.testing.assert_close(out[0].double(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not _prefill_kernel_fits(), reason="the prefill operator needs bf16 AMX")
 def test_prefill_kernel_refuses_what_it_cannot_compute():
     from braid.layers import decode_kernel
     from braid.layers.decode_kernel import causal_prefill_attention

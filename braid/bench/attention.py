@@ -8,7 +8,9 @@ Paths:
   equal length);
 - `grouped-matmul` (decode) and `blocked-matmul` (prefill, `blocked_causal_attention`): GEMMs
   in the model's dtype and a softmax accumulated in fp32, queries grouped by KV head, prefill
-  query blocks attending only up to their diagonal.
+  query blocks attending only up to their diagonal;
+- `amx-brgemm` (prefill, bf16 on a CPU with AMX): `decode_kernel.causal_prefill_attention`,
+  oneDNN's AMX GEMMs over keys packed once per KV head, blocks past the diagonal skipped.
 Inputs are random, shaped as rank 0's heads of the model at `--tp`; each time is the median of
 `--repeat` calls after warm-up, in this process, on every usable core.
 """
@@ -31,6 +33,7 @@ from braid.config import (
     resolve_dtype,
     usable_cores,
 )
+from braid.layers import decode_kernel
 from braid.layers.attention_ops import (
     batched_causal_attention,
     blocked_causal_attention,
@@ -107,8 +110,13 @@ def prefill_paths(batch: int, tokens: int, prefix: int, hq: int, hk: int, dim: i
         sdpa = lambda: [causal_attention(q[b], keys[b], values[b], mask, scale)  # noqa: E731
                         for b in range(batch)]
     blocked = lambda: blocked_causal_attention(q, keys, values, scale)  # noqa: E731
-    engine = blocked if blocked_prefill_is_faster(dtype, q.device) else sdpa
-    return {"sdpa-padded": padded, "engine": engine, "sdpa": sdpa, "blocked-matmul": blocked}
+    paths = {"sdpa-padded": padded, "engine": sdpa, "sdpa": sdpa, "blocked-matmul": blocked}
+    if blocked_prefill_is_faster(dtype, q.device):
+        paths["engine"] = blocked
+    if decode_kernel.prefill_fits(hq, hk, dim, dtype) and decode_kernel.load():
+        paths["engine"] = paths["amx-brgemm"] = lambda: decode_kernel.causal_prefill_attention(
+            q, keys, values, scale)
+    return paths
 
 
 def run_bench_attention(args: argparse.Namespace) -> None:

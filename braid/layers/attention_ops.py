@@ -7,6 +7,9 @@ prints the table):
   group of query heads takes the place of the query length, so keys are never repeated for
   grouped-query attention and the mask is one row of valid keys per sequence (`[B, 1, 1,
   keys]`), not one per query and head.
+- prefill in bf16 on a CPU with AMX (`decode_kernel.prefill_fits`): the C++ operator
+  `decode_kernel.causal_prefill_attention`, oneDNN's AMX GEMMs over keys packed once per KV
+  head, key blocks past the diagonal skipped (`PagedAttention.use_prefill_kernel`).
 - prefill, where `blocked_prefill_is_faster` (bf16 on a CPU without AMX):
   `blocked_causal_attention`, batched GEMMs per query block that skip the masked triangle.
 - prefill elsewhere, through SDPA: `causal_attention` for the new tokens of one sequence
@@ -161,7 +164,8 @@ def blocked_prefill_is_faster(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether prefill runs `blocked_causal_attention` rather than SDPA: for bf16 on a CPU that
     computes bf16 natively without AMX. There (2-core Zen 4, SmolLM2's heads) it measured 2.0-2.8x
     faster than SDPA at 128-2048 tokens, with and without a cached prefix. With AMX, SDPA's
-    kernel is the faster (2-core Xeon, 8 x 512: 16.2 ms against 23.7, any block size);
-    in fp32 neither wins everywhere (0.83-1.21x), so SDPA stays."""
+    kernel is the faster of the two (2-core Xeon, 8 x 512: 16.2 ms against 23.7, any block
+    size), and `decode_kernel.causal_prefill_attention` faster still; in fp32 neither wins
+    everywhere (0.83-1.21x), so SDPA stays."""
     return (device.type == "cpu" and dtype == torch.bfloat16
             and "avx512_bf16" in cpu_flags() and "amx_bf16" not in cpu_flags())

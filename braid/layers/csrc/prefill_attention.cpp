@@ -31,9 +31,10 @@ using at::BFloat16;
 using Vec = at::vec::Vectorized<float>;
 
 // Query tokens per work item (times the group's heads: the GEMMs' rows) and keys per GEMM
-// (the causal skip's grain). 2-core Xeon with AMX, SmolLM2's heads, 8 x 512 and 1 x 2048,
-// against SDPA in the same run: 128 / 128 0.68x / 0.79x SDPA's time, 64 / 128 0.77x / 0.79x,
-// 64 / 64 0.78x / 1.02x, 32 / 64 0.84x / 0.97x.
+// (the causal skip's grain). 2-core Xeon with AMX, SmolLM2's heads, time against SDPA's in
+// the same run at 8 x 512 / 1 x 512 / 1 x 2048 tokens: 128 and 128 0.65 / 0.55 / 0.66, 64 and
+// 128 0.69 / 0.52 / 0.70, 64 and 64 0.70 / 0.54 / 0.83, 256 and 128 0.64 / 0.68 / 0.73, 128
+// and 64 0.58 / 0.60 / 0.72, 128 and 256 0.59 / 0.61 / 0.68.
 constexpr int64_t QUERY_BLOCK = 128;
 constexpr int64_t KEY_BLOCK = 128;
 
@@ -64,10 +65,10 @@ void pack_values(const BFloat16* values, int64_t n, int64_t ld, int64_t dim, BFl
   }
 }
 
-// 2^x for x <= 0, to about 6e-6 relative (the weights are rounded to bf16, 4e-3): a degree-4
-// polynomial in x's fraction, scaled by its integer part. Half the instructions of
+// 2^x for x <= MAX_GROWTH, to about 6e-6 relative (the weights are rounded to bf16, 4e-3): a
+// degree-4 polynomial in x's fraction, scaled by its integer part. Half the instructions of
 // at::vec's exp, the softmax's largest cost.
-inline __m512 exp2_nonpositive(__m512 x) {
+inline __m512 exp2_fast(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
   const __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, whole);
@@ -93,21 +94,31 @@ float row_max_raw(const float* scores, int64_t visible) {
   return _mm512_reduce_max_ps(max);
 }
 
+// How far (in powers of two) a row's scores may rise above its recorded max before the max is
+// raised: the weights then reach 2^8 at most, far from fp32's range and exact in bf16's, and
+// most key blocks need neither a pass for their max nor a rescale of the row's sums.
+constexpr float MAX_GROWTH = 8.0f;
+
 // weights = 2^(score * log2_scale - max) for a row's first `visible` keys, 0 past them, in
-// bf16; returns `sum` times `correction` plus their sum, lane-wise (a row's sum is reduced
-// across lanes once, at the end, not once per key block).
-__m512 exp2_row(const float* scores, int64_t visible, float log2_scale, float max,
-                BFloat16* weights, __m512 sum, float correction) {
-  sum = _mm512_mul_ps(sum, _mm512_set1_ps(correction));
+// bf16, their sum added lane-wise into `sum` (a row's sum is reduced across lanes once, at the
+// end); false, with `sum` untouched, where a score exceeds max + MAX_GROWTH.
+bool exp2_row(const float* scores, int64_t visible, float log2_scale, float max,
+              BFloat16* weights, float* sum) {
+  __m512 total = _mm512_setzero_ps();
+  __mmask16 over = 0;
   const __m512 c = _mm512_set1_ps(log2_scale), m = _mm512_set1_ps(max);
   for (int64_t j = 0; j < KEY_BLOCK; j += 16) {
+    const __mmask16 lanes = visible_lanes(j, visible);
     const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(scores + j), c, m);
-    const __m512 e = _mm512_maskz_mov_ps(visible_lanes(j, visible), exp2_nonpositive(x));
-    sum = _mm512_add_ps(sum, e);
+    over |= _mm512_mask_cmp_ps_mask(lanes, x, _mm512_set1_ps(MAX_GROWTH), _CMP_GT_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(lanes, exp2_fast(x));
+    total = _mm512_add_ps(total, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + j),
                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
   }
-  return sum;
+  if (over) return false;
+  _mm512_storeu_ps(sum, _mm512_add_ps(_mm512_loadu_ps(sum), total));
+  return true;
 }
 
 // A row of `dim` bf16 (a multiple of 32), as whole vectors.
@@ -207,23 +218,25 @@ at::Tensor causal_prefill_attention(const at::Tensor& q, const at::Tensor& k, co
               partial ? std::clamp<int64_t>(prefix + first + r / group - start + 1, 0, n)
                       : KEY_BLOCK;
           // Maxima and sums in units of log2 (the scale and log2(e) folded into one factor).
-          const float block_max = row_max_raw(s, visible) * log2_scale;
-          const float new_max = std::max(row_max[r], block_max);
           BFloat16* w = weights.data() + r * KEY_BLOCK;
+          float* sum = row_sum.data() + r * 16;
+          if (row_max[r] != neg_inf && exp2_row(s, visible, log2_scale, row_max[r], w, sum)) {
+            continue;
+          }
+          // The row's first keys, or scores beyond MAX_GROWTH: its max from this block.
+          const float new_max = std::max(row_max[r], row_max_raw(s, visible) * log2_scale);
           if (new_max == neg_inf) {  // sees no key yet (a later block's first queries)
             std::fill_n(w, KEY_BLOCK, BFloat16(0.0f));
             continue;
           }
-          const float correction =  // 0 for a first block
-              new_max == row_max[r] ? 1.0f : std::exp2(row_max[r] - new_max);
-          float* sum = row_sum.data() + r * 16;
-          _mm512_storeu_ps(sum, exp2_row(s, visible, log2_scale, new_max, w,
-                                         _mm512_loadu_ps(sum), correction));
-          row_max[r] = new_max;
-          if (block > 0 && correction != 1.0f) {
+          if (row_max[r] != neg_inf) {  // earlier blocks' sums, rescaled to the new max
+            const float correction = std::exp2(row_max[r] - new_max);
             float* o = sums.data() + r * dim;
             at::vec::map<float>([correction](Vec x) { return x * Vec(correction); }, o, o, dim);
+            at::vec::map<float>([correction](Vec x) { return x * Vec(correction); }, sum, sum, 16);
           }
+          row_max[r] = new_max;
+          exp2_row(s, visible, log2_scale, new_max, w, sum);
         }
         at::native::cpublas::brgemm(rows, dim, KEY_BLOCK, KEY_BLOCK, dim, dim, block > 0,
                                     weights.data(), kv_v + block * block_elems, sums.data());
