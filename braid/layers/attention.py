@@ -128,9 +128,7 @@ class PagedAttention(nn.Module):
                                 padded=self.decode_padded, kept=self.decode_kept)
         elif meta.equal_fresh:
             shape = (meta.batch_size, meta.q_lens[0], -1, self.head_dim)
-            kernel = (causal_prefill_attention if self.use_prefill_kernel
-                      else blocked_causal_attention if blocked_prefill_is_faster(q.dtype, q.device)
-                      else batched_causal_attention)
+            kernel = self._prefill_kernel(q) or batched_causal_attention
             out = self._by_runs(kernel, q.view(shape), k.view(shape), v.view(shape), self.scale)
         else:
             out = concat_groups([
@@ -148,12 +146,20 @@ class PagedAttention(nn.Module):
                                  q.dtype)[0, :meta.kv_lens[b]]
             values = gather_blocks(self.v_cache, blocks[None], self.v_scales,
                                    q.dtype)[0, :meta.kv_lens[b]]
-        if self.use_prefill_kernel or blocked_prefill_is_faster(q.dtype, q.device):
-            kernel = (causal_prefill_attention if self.use_prefill_kernel
-                      else blocked_causal_attention)
+        if kernel := self._prefill_kernel(q):
             return self._by_runs(kernel, q[rows][None], keys[None], values[None],
                                  self.scale)[0]
         return self._by_runs(causal_attention, q[rows], keys, values, meta.masks[b], self.scale)
+
+    def _prefill_kernel(self, q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """The prefill kernel that beats SDPA here, taking `[B, T, H, D]` queries over `[B, L,
+        Hk, D]` keys (the last T their own): the C++ operator (bf16 with AMX), the blocked
+        GEMMs (bf16 without AMX); None where SDPA is the faster."""
+        if self.use_prefill_kernel:
+            return causal_prefill_attention
+        if blocked_prefill_is_faster(q.dtype, q.device):
+            return blocked_causal_attention
+        return None
 
     def _by_runs(self, kernel: Callable[..., torch.Tensor], q: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor, *args: object) -> torch.Tensor:
