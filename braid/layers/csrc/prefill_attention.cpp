@@ -88,7 +88,7 @@ inline __mmask16 visible_lanes(int64_t j, int64_t visible) {
 // The largest of a row's first `visible` raw scores (-inf when none).
 float row_max_raw(const float* scores, int64_t visible) {
   __m512 max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < KEY_BLOCK; j += 16) {
+  for (int64_t j = 0; j < visible; j += 16) {
     max = _mm512_mask_max_ps(max, visible_lanes(j, visible), max, _mm512_loadu_ps(scores + j));
   }
   return _mm512_reduce_max_ps(max);
@@ -101,13 +101,15 @@ constexpr float MAX_GROWTH = 8.0f;
 
 // weights = 2^(score * log2_scale - max) for a row's first `visible` keys, 0 past them, in
 // bf16, their sum added lane-wise into `sum` (a row's sum is reduced across lanes once, at the
-// end); false, with `sum` untouched, where a score exceeds max + MAX_GROWTH.
+// end); false, with `sum` untouched, where a score exceeds max + MAX_GROWTH. Vectors past the
+// visible keys (half of a diagonal block's, on average) are only zeroed.
 bool exp2_row(const float* scores, int64_t visible, float log2_scale, float max,
               BFloat16* weights, float* sum) {
   __m512 total = _mm512_setzero_ps();
   __mmask16 over = 0;
   const __m512 c = _mm512_set1_ps(log2_scale), m = _mm512_set1_ps(max);
-  for (int64_t j = 0; j < KEY_BLOCK; j += 16) {
+  int64_t j = 0;
+  for (; j < visible; j += 16) {
     const __mmask16 lanes = visible_lanes(j, visible);
     const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(scores + j), c, m);
     over |= _mm512_mask_cmp_ps_mask(lanes, x, _mm512_set1_ps(MAX_GROWTH), _CMP_GT_OQ);
@@ -115,6 +117,9 @@ bool exp2_row(const float* scores, int64_t visible, float log2_scale, float max,
     total = _mm512_add_ps(total, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + j),
                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+  }
+  for (; j < KEY_BLOCK; j += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + j), _mm256_setzero_si256());
   }
   if (over) return false;
   _mm512_storeu_ps(sum, _mm512_add_ps(_mm512_loadu_ps(sum), total));
