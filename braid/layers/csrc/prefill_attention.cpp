@@ -1,10 +1,10 @@
 // Causal prefill attention in bf16 on CPUs with AMX, through oneDNN's batch-reduce GEMM
-// (at::native::cpublas::brgemm, which ATen's flash attention uses for fp16 only); built
-// with the decode operators (braid/layers/decode_kernel.py), registered where the compiler
-// targets AVX512-BF16.
+// (at::native::cpublas::brgemm, which ATen's flash attention calls too); built with the
+// decode operators (braid/layers/decode_kernel.py). Registered on every CPU; where the
+// compiler does not target AVX512-BF16 it raises instead of computing.
 //
-// Why not SDPA's CPU kernel: for bf16 it calls a generic GEMM per block of 64 queries against
-// up to 512 keys, so at 512 tokens the causal mask saves nothing (one key block), and each
+// Why not SDPA's CPU kernel: for bf16 it runs a GEMM per block of 64 queries against up to
+// 512 keys, so at 512 tokens the causal mask saves nothing (one key block), and each
 // query head reads its KV head's keys again. Here the keys and values of each (sequence, KV
 // head) are packed once into the VNNI layout AMX reads, the query rows of a KV head's whole
 // group share every key block (M = group x query block), key blocks past the diagonal are
