@@ -284,6 +284,46 @@ def test_decode_kernel_matches_the_reference(heads, head_dim, dtype, int8_cache)
         torch.testing.assert_close(out[b:b + 1].double(), expected, **tolerance)
 
 
+def per_head_reference(q, keys, values, prefix, scale, shard):
+    """`reference` for a rank's heads `shard` (a `HeadShard`): each query head against the KV
+    head of its group, wherever the split cut the groups."""
+    kv_of = [(shard.q_start + h) // shard.group_size - shard.kv_start
+             for h in range(shard.q_count)]
+    return torch.cat([reference(q[:, h:h + 1], keys[:, kv:kv + 1], values[:, kv:kv + 1],
+                                prefix, scale) for h, kv in enumerate(kv_of)], dim=1)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "tp"), [(9, 3, 2), (32, 8, 3)])
+def test_the_decode_kernel_serves_a_rank_of_unequal_groups(heads, kv_heads, tp):
+    """A rank whose KV heads serve unequal query groups (SmolLM2's 9 heads at tp 2: 3 and 2)
+    decodes through the operator in one padded call; every head matches the reference."""
+    from types import SimpleNamespace
+
+    from braid.layers import decode_kernel
+    from braid.layers.attention import PagedAttention, gather_blocks
+    from braid.layers.partition import partition_heads
+
+    assert decode_kernel.load()
+    gen = torch.Generator().manual_seed(tp)
+    for shard in partition_heads(heads, kv_heads, tp):
+        attn = PagedAttention(shard.q_count, shard.kv_count, 64, shard.runs())
+        attn.allocate_cache(16, 16, torch.float32, torch.device("cpu"), tokens_innermost=True)
+        fill_cache(attn, gen)
+        assert decode_kernel.attention_fits(attn.padded_heads, attn.k_cache, torch.float32)
+        lengths = [40, 17, 1]
+        meta = SimpleNamespace(block_tables=torch.randperm(16, generator=gen)[:9].view(3, 3),
+                               seq_lens=torch.tensor(lengths))
+        q = torch.randn(3, shard.q_count, 64, generator=gen)
+        out = attn._decode_kernel(q, meta)
+        assert out.shape == q.shape
+        for b, n in enumerate(lengths):
+            table = meta.block_tables[b:b + 1]
+            keys = gather_blocks(attn.k_cache, table)[0, :n]
+            values = gather_blocks(attn.v_cache, table)[0, :n]
+            close(out[b:b + 1], per_head_reference(q[b:b + 1], keys, values, n - 1, attn.scale,
+                                                   shard))
+
+
 # The int8 pair layout's kernel rounds the queries and softmax weights to int16 (2^-16 of a
 # row's largest): an error of order 1e-4 on outputs of order 1, a hundredth of what storing
 # the rows as int8 costs (0.4% of a row's largest).
@@ -405,6 +445,30 @@ def test_prefill_kernel_matches_the_reference(heads, tokens, prefix, head_dim):
         # softmax weights rounded to bf16 (2^-9) before the second GEMM, the output once more
         torch.testing.assert_close(out[b].double(), expected, atol=2e-2, rtol=2e-2)
         assert (out[b].double() - expected).abs().mean() < 2e-3
+
+
+@pytest.mark.skipif(not _prefill_kernel_fits(), reason="the prefill operator needs bf16 AMX")
+def test_the_prefill_kernel_serves_a_rank_of_unequal_groups():
+    """Both ranks of SmolLM2's heads at tp 2 (5 and 4 query heads, the middle KV head on
+    both) prefill through the operator, one call per uniformly grouped run."""
+    from braid.layers import decode_kernel
+    from braid.layers.attention import PagedAttention
+    from braid.layers.partition import partition_heads
+
+    assert decode_kernel.load()
+    gen = torch.Generator().manual_seed(5)
+    for shard in partition_heads(9, 3, 2):
+        attn = PagedAttention(shard.q_count, shard.kv_count, 64, shard.runs())
+        assert len(attn.runs) == 2
+        assert decode_kernel.prefill_fits(attn.padded_heads, attn.num_kv_heads, 64,
+                                          torch.bfloat16)
+        q = torch.randn(2, 150, shard.q_count, 64, generator=gen).bfloat16()
+        keys, values = (torch.randn(2, 170, shard.kv_count, 64, generator=gen).bfloat16()
+                        for _ in range(2))
+        out = attn._by_runs(decode_kernel.causal_prefill_attention, q, keys, values, attn.scale)
+        for b in range(2):
+            expected = per_head_reference(q[b], keys[b], values[b], 20, attn.scale, shard)
+            torch.testing.assert_close(out[b].double(), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(not _prefill_kernel_fits(), reason="the prefill operator needs bf16 AMX")

@@ -105,8 +105,7 @@ def use_decode_kernels(model: nn.Module, gemv: bool = True) -> None:
     or dense."""
     dtype = next(model.parameters()).dtype
     attention = [attn for attn in model.attention_layers()
-                 if len(attn.runs) == 1
-                 and decode_kernel.attention_fits(attn.num_heads, attn.k_cache, dtype)]
+                 if decode_kernel.attention_fits(attn.padded_heads, attn.k_cache, dtype)]
     linears = [layer for layer in model.modules() if gemv and isinstance(layer, Quantizable)
                and (decode_kernel.gemv_fits(layer.quantizable_weight()) if layer.int8 is None
                     else layer.int8.scales.dtype == torch.bfloat16  # not an fp16 model's
@@ -115,7 +114,7 @@ def use_decode_kernels(model: nn.Module, gemv: bool = True) -> None:
         for attn in attention:
             attn.use_decode_kernel = True
             attn.use_prefill_kernel = decode_kernel.prefill_fits(
-                attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype)
+                attn.padded_heads, attn.num_kv_heads, attn.head_dim, dtype)
         for layer in linears:
             layer.gemv = True
 
@@ -123,17 +122,17 @@ def use_decode_kernels(model: nn.Module, gemv: bool = True) -> None:
 def eager_decode_reads_kernel(engine: EngineConfig, model: nn.Module) -> bool:
     """Whether eager decode steps (every decode step but the compiled step's) read the KV
     cache through `decode_kernel`'s operator, laid out as the compiled step lays it out: on
-    CPU, where every attention layer is a `PagedAttention` of one uniformly grouped run whose
-    shapes the operator takes, and the operator builds. Against gathering the blocks for SDPA
-    (2-core Xeon with AMX, bf16, `ratio_bench.py` best of 2): decode bs 32 1.38x, bs 1 1.04x,
-    prefill 8 x 512 1.04x (the layout's writes). An int8 cache, whose gathered blocks SDPA
-    needs dequantized, ran 0.65-0.69x the bf16 cache's speed at bs 32 gathered, 1.08x through
-    the operator."""
+    CPU, where every attention layer is a `PagedAttention` whose shapes the operator takes (a
+    rank's unequal query groups padded to one grouped call), and the operator builds. Against
+    gathering the blocks for SDPA (2-core Xeon with AMX, bf16, `ratio_bench.py` best of 2):
+    decode bs 32 1.38x, bs 1 1.04x, prefill 8 x 512 1.04x (the layout's writes). An int8
+    cache, whose gathered blocks SDPA needs dequantized, ran 0.65-0.69x the bf16 cache's speed
+    at bs 32 gathered, 1.08x through the operator."""
     if engine.device != "cpu":
         return False
     for attn in model.attention_layers():
-        if not (isinstance(attn, PagedAttention) and len(attn.runs) == 1
-                and decode_kernel.shape_fits(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+        if not (isinstance(attn, PagedAttention)
+                and decode_kernel.shape_fits(attn.padded_heads, attn.num_kv_heads, attn.head_dim,
                                              engine.block_size, engine.torch_dtype,
                                              engine.kv_torch_dtype)):
             return False

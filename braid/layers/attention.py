@@ -64,6 +64,12 @@ class PagedAttention(nn.Module):
         # the C++ operator, for fresh prompts and chunks over a cached prefix alike.
         self.use_prefill_kernel = False
 
+    @property
+    def padded_heads(self) -> int:
+        """Query heads a grouped decode call computes: the rank's heads, with its short groups
+        padded to the largest (`_padded_groups`), so that every KV head serves as many."""
+        return self.num_heads if self.decode_padded is None else len(self.decode_padded)
+
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device, tokens_innermost: bool = False) -> None:
         """Zeroed: masked-out keys must still be finite (0 * NaN would poison the output).
@@ -78,8 +84,7 @@ class PagedAttention(nn.Module):
         """
         layout = kv_layout.TOKEN_MAJOR
         if tokens_innermost:
-            paired = (dtype == torch.int8 and len(self.runs) == 1
-                      and int8_pairs_fit(block_size, self.head_dim))
+            paired = dtype == torch.int8 and int8_pairs_fit(block_size, self.head_dim)
             layout = kv_layout.INT8_PAIRS if paired else kv_layout.TOKENS_INNERMOST
         self.k_cache, self.v_cache = kv_layout.allocate(layout, num_blocks, block_size,
                                                         self.num_kv_heads, self.head_dim, dtype,
@@ -105,9 +110,7 @@ class PagedAttention(nn.Module):
             # A decode step traced whole (braid.engine.compiled_step).
             meta = batch.attn_groups[0].meta
             if self.use_decode_kernel:
-                return paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                              meta.seq_lens, self.scale, self.k_scales,
-                                              self.v_scales).flatten(1)
+                return self._decode_kernel(q, meta).flatten(1)
             return padded_decode(traced_decode_attention, q, self.k_cache, self.v_cache,
                                  meta.block_tables, meta.key_mask, self.scale, self.k_scales,
                                  self.v_scales, padded=self.decode_padded,
@@ -119,8 +122,7 @@ class PagedAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """One group of sequences (see `AttentionMetadata` for the three ways)."""
         if meta.decode and self.use_decode_kernel:
-            out = paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                         meta.seq_lens, self.scale, self.k_scales, self.v_scales)
+            out = self._decode_kernel(q, meta)
         elif meta.decode:
             keys = gather_blocks(self.k_cache, meta.block_tables, self.k_scales, q.dtype)
             values = gather_blocks(self.v_cache, meta.block_tables, self.v_scales, q.dtype)
@@ -150,6 +152,12 @@ class PagedAttention(nn.Module):
             return self._by_runs(kernel, q[rows][None], keys[None], values[None],
                                  self.scale)[0]
         return self._by_runs(causal_attention, q[rows], keys, values, meta.masks[b], self.scale)
+
+    def _decode_kernel(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Decode rows through the C++ operator, in one call for all of the rank's runs."""
+        return padded_decode(paged_decode_attention, q, self.k_cache, self.v_cache,
+                             meta.block_tables, meta.seq_lens, self.scale, self.k_scales,
+                             self.v_scales, padded=self.decode_padded, kept=self.decode_kept)
 
     def _prefill_kernel(self, q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
         """The prefill kernel that beats SDPA here, taking `[B, T, H, D]` queries over `[B, L,
