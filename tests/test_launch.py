@@ -43,6 +43,25 @@ def test_ranks_start_with_the_rank_environment_unless_the_user_set_it(monkeypatc
     assert "GOMP_SPINCOUNT" not in os.environ
 
 
+def test_a_rank_that_showed_a_progress_bar_leaves_no_semaphore_behind():
+    """tqdm's default lock is a named semaphore that a rank's os._exit would leak: the
+    resource tracker then warned at the launching process's exit."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        import rank_targets
+        from braid.distributed.launch import RankGroup
+        if __name__ == "__main__":
+            group = RankGroup(1, rank_targets.show_a_progress_bar)
+            print(group.gather(timeout=60))
+            group.close()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "shown" in proc.stdout, proc.stderr
+    assert "leaked semaphore" not in proc.stderr
+
+
 def test_ranks_run_collectives_and_stop_cleanly():
     group = RankGroup(2, rank_targets.echo)
     assert group.gather(timeout=60) == ["ready", "ready"]

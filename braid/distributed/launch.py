@@ -92,10 +92,16 @@ def _rank_entry(target: Callable, rank: int, world_size: int, store_port: int,
     try:
         import torch
         import torch.distributed as dist
+        from tqdm import tqdm
 
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
+        # tqdm's default lock is a named semaphore, made by the first progress bar (inductor's
+        # while it compiles, transformers' while it loads); the rank's os._exit skips the
+        # finalizer that releases it, and the resource tracker warned of a leak at every
+        # shutdown. A rank's bars are written by its own threads only.
+        tqdm.set_lock(threading.RLock())
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                               timeout=timedelta(seconds=60))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import torch
@@ -12,15 +11,11 @@ import torch
 def load_transformers_model(model: str, dtype: torch.dtype) -> torch.nn.Module:
     """transformers' causal LM of a GGUF file (which transformers dequantizes) or a folder, in
     eval mode, its logging and progress bars quiet."""
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    # tqdm's default lock is a multiprocessing semaphore, which a rank process (the benchmark
-    # runs transformers in one) leaks at exit: resource_tracker warned of it after every run.
-    tqdm.set_lock(threading.RLock())
     path = Path(model)
     kwargs = {"gguf_file": path.name} if path.is_file() else {}
     folder = str(path.parent) if path.is_file() else str(path)
