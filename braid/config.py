@@ -29,12 +29,13 @@ KV_CACHE_DTYPES = ["auto", "int8"]
 # half the tokens up to 1024 and 0.65x at 4096, before any all-gather.
 DP_LINEAR_MIN_TOKENS = {"cpu": 32, "cuda": 4096}
 # `--overlap auto` from this many tokens per step, by backend. Measured on the 2-core CPU host
-# (bench-one-batch, tp 2, off and on interleaved, best of 3): over gloo overlap hides enough to
-# pay from 1024 tokens (1.25x at 4 x 256, 1.17x at 8 x 512); over shm the zero-copy block sums
-# leave little to hide, and two half-size micro-batches cost about as much as they save
-# (0.97x at 4 x 256, 0.96x at 8 x 256, 1.04x at 8 x 512), so auto splits only steps larger
-# than the CPU's default 2048-token budget.
-OVERLAP_MIN_TOKENS = {"shm": 4096, "torch": 1024}
+# (`bench-one-batch --overlap-sweep`, tp 2, prompts of 512, off and on interleaved, best of 5):
+# over gloo overlap hides enough to pay from 512 tokens (1.28x at 512, 1.21x at 1024, 1.06x
+# at 4096 and 8192); over shm the zero-copy block sums leave only the ranks' skew to hide, and
+# two half-size micro-batches cost more than that (0.84x at 1024, 0.87x at 2048, 0.92x at
+# 4096, 0.98x at 8192; 0.96x at 16384 in an earlier sweep), so auto never splits over shm
+# below 32768 tokens a step.
+OVERLAP_MIN_TOKENS = {"shm": 32768, "torch": 1024}
 # Token budget of one step (decodes plus prompt chunks) by device, as vLLM and SGLang size it:
 # on CPU a 2048-token step takes a few seconds, the longest pause a running stream sees.
 MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
