@@ -279,3 +279,20 @@ def test_the_amx_prefill_kernel_is_as_close_to_fp32_as_sdpa(runner, bf16_runner,
         kernel_error, sdpa_error = ((x - fp32).abs().max().item() for x in (kernel, sdpa))
         assert kernel_error <= 1.25 * sdpa_error + 0.05, (kernel_error, sdpa_error)
         assert (kernel.argmax(-1) == fp32.argmax(-1)).float().mean() >= 0.95
+
+
+@pytest.mark.skipif(not decode_kernel.prefill_fits(9, 3, 64, torch.bfloat16),
+                    reason="the prefill operator needs bf16 AMX")
+def test_a_chunk_whose_keys_fit_one_block_prefills_through_the_kernel(bf16_runner, prompt_ids):
+    """A 14-token prompt 8 tokens a step: the second chunk's keys, gathered from the cache,
+    all sit in one block, which reached the operator with strided head dims (the rank
+    failed). Chunked, it decodes as the whole prompt does."""
+    prompt = sum(prompt_ids, [])[:14]
+
+    def greedy(budget: int) -> list[int]:
+        config = EngineConfig(model=bf16_runner.engine.model, dtype="bf16",
+                              max_total_tokens=4096, max_num_batched_tokens=budget)
+        core = EngineCore(config, bf16_runner.config, RunnerExecutor(bf16_runner))
+        return run_requests(core, [prompt], GREEDY, eos=2)[0]
+
+    assert greedy(8) == greedy(2048)

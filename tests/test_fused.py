@@ -50,10 +50,11 @@ def test_the_compiled_pair_sum_has_the_eager_bits(kernels):
     """Ranks sum block partials with it; compiled or not, the bits must not change."""
     fused.configure_compile("on")
     gen = torch.Generator().manual_seed(2)
-    for rows in (fused._MIN_ROWS["add_pair"], 1500):
-        a, b, residual = (torch.randn(rows, 576, generator=gen).bfloat16() for _ in range(3))
-        assert kernels.pick("add_pair", rows) is kernels.compiled["add_pair"]
-        assert torch.equal(fused.add_pair(a, b, residual), fused._add_pair(a, b, residual))
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows in (fused._MIN_ROWS["add_pair"], 1500):
+            a, b, residual = (torch.randn(rows, 576, generator=gen).to(dtype) for _ in range(3))
+            assert kernels.pick("add_pair", rows) is kernels.compiled["add_pair"]
+            assert torch.equal(fused.add_pair(a, b, residual), fused._add_pair(a, b, residual))
     assert kernels.pick("add_pair", fused._MIN_ROWS["add_pair"] - 1) is fused._add_pair
 
 

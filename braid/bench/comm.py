@@ -8,7 +8,9 @@ rank contributing bytes / tp), as nccl-tests count it.
 `block_sum` is what a decoder block pays for its all-reduce: the new residual, the sum over
 ranks plus the old residual. Through shm the block's GEMM has written its partial into the
 slot already (`all_reduce_into_async`; that write is the GEMM's own), so the collective is
-the wait and one summing pass; through torch it is an all-reduce, then the add.
+the wait and one summing pass; through torch it is an all-reduce, then the add. The tensors
+are rows of `BLOCK_ROW` elements, summed as the engine's ranks sum them by default
+(`--compile auto`: compiled from `fused._MIN_ROWS` rows, eager below).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from braid.config import DTYPES, UserError, resolve_dtype, usable_cores
 from braid.distributed.comm import Communicator, TorchCommunicator
 from braid.distributed.launch import RankGroup
 from braid.distributed.shm import ShmCommunicator, ShmSegment
+from braid.layers.fused import configure_compile
 
 OPS = ("all_reduce", "block_sum", "all_gather")
+BLOCK_ROW = 1024  # elements of a token's hidden state in the block sums
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -51,6 +55,8 @@ def _measure(comm: Communicator, op: str, nbytes: int, dtype: torch.dtype) -> li
     if op == "all_gather":
         numel = max(1, numel // comm.world_size)
     x = torch.randn(numel).to(dtype)
+    if op == "block_sum" and numel % BLOCK_ROW == 0:
+        x = x.view(-1, BLOCK_ROW)  # rows of tokens, which decide whether the sum is compiled
     run = {"all_reduce": comm.all_reduce, "all_gather": comm.all_gather,
            "block_sum": lambda y: _block_sum(comm, y, x)}[op]
     for _ in range(5):
@@ -76,6 +82,7 @@ def _block_sum(comm: Communicator, partial: torch.Tensor,
 def bench_comm_worker(rank: int, world_size: int, conn, backends: list[str], sizes: list[int],
                       dtype: str, segment: ShmSegment | None) -> None:
     """Rank entry point: measure every backend, op and size; rank 0 answers the rows."""
+    configure_compile("auto")
     rows = []
     for backend in backends:
         comm = (ShmCommunicator(rank, segment) if backend == "shm"

@@ -71,11 +71,14 @@ def store(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -
 
 def blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """The blocks `block_tables` names, `[*block_tables.shape, block_size, heads, head_dim]`
-    (a copy)."""
+    (a contiguous copy)."""
     if not cache.is_contiguous():
         picked = cache[block_tables]
         if not is_paired(cache):
-            return picked
+            # Indexing keeps the tokens-innermost strides; flattening the blocks into tokens
+            # copies them into rows anyway, except for a single block, which then reached the
+            # prefill operator with strided head dims.
+            return picked.contiguous()
         first = block_tables.dim()  # the picked blocks' axes come first
         return picked.flatten(first + 3).flatten(first, first + 1)
     # One row copy per block: index_select on a 2-D view copies whole rows, several times
