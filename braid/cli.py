@@ -52,8 +52,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="two-batch overlap: on, off, or auto (on from --overlap-min-tokens)")
     parser.add_argument("--overlap-min-tokens", type=int, default=None,
                         help="tokens per step from which --overlap auto splits the batch "
-                             "(default: 1024 over torch, 32768 over shm; measure yours with "
-                             "bench-one-batch --overlap-sweep)")
+                             "(default: 512 over gloo, 1024 over NCCL, 32768 over shm; "
+                             "measure yours with bench-one-batch --overlap-sweep)")
     parser.add_argument("--tbo-token-distribution-threshold", type=float, default=0.48,
                         help="smallest token share of a micro-batch before a sequence is cut "
                              "in two instead")

@@ -28,14 +28,15 @@ KV_CACHE_DTYPES = ["auto", "int8"]
 # at 32 tokens (0.79x per rank; 0.49-0.57x from 256); on an H200 the bf16 GEMM takes as long for
 # half the tokens up to 1024 and 0.65x at 4096, before any all-gather.
 DP_LINEAR_MIN_TOKENS = {"cpu": 32, "cuda": 4096}
-# `--overlap auto` from this many tokens per step, by backend. Measured on the 2-core CPU host
-# (`bench-one-batch --overlap-sweep`, tp 2, prompts of 512, off and on interleaved, best of 5):
-# over gloo overlap hides enough to pay from 512 tokens (1.28x at 512, 1.21x at 1024, 1.06x
-# at 4096 and 8192); over shm the zero-copy block sums leave only the ranks' skew to hide, and
-# two half-size micro-batches cost more than that (0.84x at 1024, 0.87x at 2048, 0.92x at
-# 4096, 0.98x at 8192; 0.96x at 16384 in an earlier sweep), so auto never splits over shm
-# below 32768 tokens a step.
-OVERLAP_MIN_TOKENS = {"shm": 32768, "torch": 1024}
+# `--overlap auto` from this many tokens per step, by collective backend. Measured on the
+# 2-core CPU host (`bench-one-batch --overlap-sweep`, tp 2, prompts of 512, off and on
+# interleaved, best of 5): over gloo overlap hides enough to pay from 512 tokens (1.28x at
+# 512, 1.21x at 1024, 1.06x at 4096 and 8192); over shm the zero-copy block sums leave only
+# the ranks' skew to hide, and two half-size micro-batches cost more than that (0.84x at 1024,
+# 0.87x at 2048, 0.92x at 4096, 0.98x at 8192; 0.96x at 16384 in an earlier sweep), so auto
+# never splits over shm below 32768 tokens a step. NCCL keeps the earlier shared default
+# (not measured: one GPU here).
+OVERLAP_MIN_TOKENS = {"shm": 32768, "gloo": 512, "nccl": 1024}
 # Token budget of one step (decodes plus prompt chunks) by device, as vLLM and SGLang size it:
 # on CPU a 2048-token step takes a few seconds, the longest pause a running stream sees.
 MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
@@ -274,7 +275,8 @@ class EngineConfig:
                                 f"got {value!r}")
         kind = "cuda" if self.device.startswith("cuda") else "cpu"
         if self.overlap_min_tokens is None:
-            object.__setattr__(self, "overlap_min_tokens", OVERLAP_MIN_TOKENS[self.comm])
+            backend = self.comm if self.comm == "shm" else "nccl" if kind == "cuda" else "gloo"
+            object.__setattr__(self, "overlap_min_tokens", OVERLAP_MIN_TOKENS[backend])
         if self.dp_linear_min_tokens is None:
             object.__setattr__(self, "dp_linear_min_tokens", DP_LINEAR_MIN_TOKENS[kind])
         if self.max_num_batched_tokens is None:

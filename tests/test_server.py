@@ -25,7 +25,7 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village,"]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # Overlap from 1024 tokens (the gloo default; shm's is above a CPU step) so long prompts
+    # Overlap from 1024 tokens (shm's default is above any CPU step) so long prompts
     # run the overlapped path through the server.
     with braid_server("--tp", "2", "--api-key", KEY, "--overlap-min-tokens", "1024",
                       log_dir=tmp_path_factory.mktemp("server")) as server:
