@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import NoReturn
 
 from braid.config import UserError, usable_cores
@@ -196,10 +197,13 @@ class RankGroup:
         return len(self.procs)
 
     def send_all(self, message: object) -> None:
-        """Send the same message to every rank."""
+        """Send the same message to every rank, pickled once (`Connection.send` pickles per
+        call: a step plan reached rank 1 that much later, and rank 0 waited for it at the
+        step's first collective)."""
+        payload = ForkingPickler.dumps(message)
         for conn in self.conns:
             try:
-                conn.send(message)
+                conn.send_bytes(payload)
             except (BrokenPipeError, ConnectionResetError, OSError):
                 self._fail()
 
