@@ -97,6 +97,20 @@ def test_decode_block_tables_are_never_narrower_than_the_traced_width():
     assert meta.key_mask.sum().item() == WARM_UP_ROWS * 3
 
 
+def test_decode_block_tables_wider_than_the_keys_come_out_contiguous():
+    """A plan whose tables hold more blocks than its keys fill is cut to the keys' width as a
+    contiguous tensor: the graph, traced on contiguous tables and called without guards,
+    rejected the strided slice ("expected size 32==32, stride 11==9")."""
+    import numpy as np
+
+    plan = warm_up_plans(16)[1]
+    plan.kv_lens[:] = 20  # two blocks of 16
+    plan.block_tables = np.arange(WARM_UP_ROWS * 5).reshape(WARM_UP_ROWS, 5)
+    tables = ForwardBatch(plan, 16, "cpu").attn_groups[0].meta.block_tables
+    assert tables.is_contiguous()
+    assert tables.tolist() == plan.block_tables[:, :2].tolist()
+
+
 def test_the_generated_code_runs_the_graph_without_dynamo():
     """What a warmed-up step calls: dynamo's code for the function, run with no guard check
     (an input dynamo would recompile for runs the same graph) and the same answer."""

@@ -144,7 +144,10 @@ def build_attention_metadata(q_lens: np.ndarray, kv_lens: np.ndarray, block_tabl
         # step's graph has a symbolic width traced from 2, and a width of 1 would compile
         # another graph, a minute's stall, for every short prompt's first decode steps.
         width = max(int(blocks.max()), DECODE_MIN_BLOCKS)
-        tables = block_tables[:, :width]
+        # Contiguous: a plan's tables wider than its keys need would give a strided slice,
+        # which the compiled step's graph (traced on contiguous tables, called without guards)
+        # rejects ("expected ... stride 11==9").
+        tables = np.ascontiguousarray(block_tables[:, :width])
         if tables.shape[1] < width:
             tables = np.pad(tables, ((0, 0), (0, width - tables.shape[1])))
         meta.block_tables = torch.from_numpy(tables).to(device)
