@@ -421,7 +421,7 @@ def _prefill_kernel_fits(head_dim: int = 64) -> bool:
     return decode_kernel.prefill_fits(9, 3, head_dim, torch.bfloat16)
 
 
-@pytest.mark.skipif(not _prefill_kernel_fits(), reason="the prefill operator needs bf16 AMX")
+@pytest.mark.skipif(not _prefill_kernel_fits(), reason="the prefill operator needs AVX512-BF16")
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize(("tokens", "prefix", "head_dim"),
                          [(300, 0, 64), (45, 21, 64), (1, 130, 64), (128, 0, 128),
@@ -447,7 +447,7 @@ def test_prefill_kernel_matches_the_reference(heads, tokens, prefix, head_dim):
         assert (out[b].double() - expected).abs().mean() < 2e-3
 
 
-@pytest.mark.skipif(not _prefill_kernel_fits(), reason="the prefill operator needs bf16 AMX")
+@pytest.mark.skipif(not _prefill_kernel_fits(), reason="the prefill operator needs AVX512-BF16")
 def test_the_prefill_kernel_serves_a_rank_of_unequal_groups():
     """Both ranks of SmolLM2's heads at tp 2 (5 and 4 query heads, the middle KV head on
     both) prefill through the operator, one call per uniformly grouped run."""
@@ -471,7 +471,7 @@ def test_the_prefill_kernel_serves_a_rank_of_unequal_groups():
             torch.testing.assert_close(out[b].double(), expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.skipif(not _prefill_kernel_fits(), reason="the prefill operator needs bf16 AMX")
+@pytest.mark.skipif(not _prefill_kernel_fits(), reason="the prefill operator needs AVX512-BF16")
 def test_prefill_kernel_raises_a_rows_max_when_later_keys_score_far_higher():
     """Keys that grow along the sequence: later key blocks' scores exceed what the first
     block set as a row's max by far more than the operator lets its weights grow, so rows
@@ -489,7 +489,7 @@ def test_prefill_kernel_raises_a_rows_max_when_later_keys_score_far_higher():
     torch.testing.assert_close(out[0].double(), expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.skipif(not _prefill_kernel_fits(), reason="the prefill operator needs bf16 AMX")
+@pytest.mark.skipif(not _prefill_kernel_fits(), reason="the prefill operator needs AVX512-BF16")
 def test_prefill_kernel_refuses_what_it_cannot_compute():
     from braid.layers import decode_kernel
     from braid.layers.decode_kernel import causal_prefill_attention

@@ -9,8 +9,9 @@ Paths:
 - `grouped-matmul` (decode) and `blocked-matmul` (prefill, `blocked_causal_attention`): GEMMs
   in the model's dtype and a softmax accumulated in fp32, queries grouped by KV head, prefill
   query blocks attending only up to their diagonal;
-- `amx-brgemm` (prefill, bf16 on a CPU with AMX): `decode_kernel.causal_prefill_attention`,
-  oneDNN's AMX GEMMs over keys packed once per KV head, blocks past the diagonal skipped.
+- `brgemm-operator` (prefill, bf16 on a CPU with AVX512-BF16; named `amx-brgemm` before it
+  ran without AMX): `decode_kernel.causal_prefill_attention`, oneDNN's brgemm over keys
+  packed once per KV head, blocks past the diagonal skipped.
 Inputs are random, shaped as rank 0's heads of the model at `--tp`; each time is the median of
 `--repeat` calls after warm-up, in this process, on every usable core.
 """
@@ -114,7 +115,7 @@ def prefill_paths(batch: int, tokens: int, prefix: int, hq: int, hk: int, dim: i
     if blocked_prefill_is_faster(dtype, q.device):
         paths["engine"] = blocked
     if decode_kernel.prefill_fits(hq, hk, dim, dtype) and decode_kernel.load():
-        paths["engine"] = paths["amx-brgemm"] = lambda: decode_kernel.causal_prefill_attention(
+        paths["engine"] = paths["brgemm-operator"] = lambda: decode_kernel.causal_prefill_attention(
             q, keys, values, scale)
     return paths
 

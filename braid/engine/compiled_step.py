@@ -99,7 +99,7 @@ def inductor_config(model: nn.Module, one_sequence: bool) -> dict:
 
 def use_decode_kernels(model: nn.Module, gemv: bool = True) -> None:
     """`decode_kernel`'s operators wherever they fit, if they build: decode attention in every
-    attention layer, prefill attention where `decode_kernel.prefill_fits` (bf16 with AMX)
+    attention layer, prefill attention where `decode_kernel.prefill_fits` (bf16, AVX512-BF16)
     and, with `gemv` (the compiled step, whose graph reads row-major weights), the GEMV in
     every linear layer (the LM head included) for the weight its one-row product reads, int8
     or dense."""

@@ -60,7 +60,7 @@ class PagedAttention(nn.Module):
         # attention is then the C++ operator instead of `traced_decode_attention`) and for
         # eager decode steps (`compiled_step.eager_decode_reads_kernel`).
         self.use_decode_kernel = False
-        # Set where `decode_kernel.prefill_fits` (bf16 with AMX): prefill attention is then
+        # Set where `decode_kernel.prefill_fits` (bf16, AVX512-BF16): prefill attention is then
         # the C++ operator, for fresh prompts and chunks over a cached prefix alike.
         self.use_prefill_kernel = False
 
@@ -161,8 +161,8 @@ class PagedAttention(nn.Module):
 
     def _prefill_kernel(self, q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
         """The prefill kernel that beats SDPA here, taking `[B, T, H, D]` queries over `[B, L,
-        Hk, D]` keys (the last T their own): the C++ operator (bf16 with AMX), the blocked
-        GEMMs (bf16 without AMX); None where SDPA is the faster."""
+        Hk, D]` keys (the last T their own): the C++ operator (bf16 on AVX512-BF16), else the
+        blocked GEMMs (bf16 without AMX); None where SDPA is the faster."""
         if self.use_prefill_kernel:
             return causal_prefill_attention
         if blocked_prefill_is_faster(q.dtype, q.device):

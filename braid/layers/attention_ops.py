@@ -7,11 +7,13 @@ prints the table):
   group of query heads takes the place of the query length, so keys are never repeated for
   grouped-query attention and the mask is one row of valid keys per sequence (`[B, 1, 1,
   keys]`), not one per query and head.
-- prefill in bf16 on a CPU with AMX (`decode_kernel.prefill_fits`): the C++ operator
-  `decode_kernel.causal_prefill_attention`, oneDNN's AMX GEMMs over keys packed once per KV
-  head, key blocks past the diagonal skipped (`PagedAttention.use_prefill_kernel`).
-- prefill, where `blocked_prefill_is_faster` (bf16 on a CPU without AMX):
-  `blocked_causal_attention`, batched GEMMs per query block that skip the masked triangle.
+- prefill in bf16 on a CPU with AVX512-BF16 (`decode_kernel.prefill_fits`): the C++ operator
+  `decode_kernel.causal_prefill_attention`, oneDNN's brgemm (AMX or `vdpbf16ps`) over keys
+  packed once per KV head, key blocks past the diagonal skipped
+  (`PagedAttention.use_prefill_kernel`).
+- prefill in bf16 without AMX where the operator is not used (it did not build, or the shapes
+  do not fit it), where `blocked_prefill_is_faster`: `blocked_causal_attention`, batched GEMMs
+  per query block that skip the masked triangle.
 - prefill elsewhere, through SDPA: `causal_attention` for the new tokens of one sequence
   (plainly causal when it has no cached prefix, else with that sequence's own `[new, prefix +
   new]` mask, no padding to the batch's longest sequence), and `batched_causal_attention` for
