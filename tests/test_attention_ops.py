@@ -23,7 +23,7 @@ HEADS = [(9, 3), (4, 4), (6, 1)]  # (query heads, KV heads)
 def _int8_pairs_fit() -> bool:
     from braid.layers import decode_kernel
 
-    return decode_kernel.int8_pairs_fit(16, 64)
+    return decode_kernel.pairs_fit(torch.int8, 16, 64)
 
 
 def reference(q, keys, values, prefix, scale):
@@ -154,21 +154,22 @@ def test_both_cache_layouts_store_and_gather_the_same_tokens():
         assert torch.equal(other, gathered[0])
 
 
-def test_every_kv_layout_stores_and_gathers_the_same_int8_rows():
-    """`kv_layout`'s three layouts (the int8 pair layout on any CPU: only reading it through
-    the operator needs VNNI) hold the same rows at the same slots, as writes and gathers see
-    them, and report the same logical shape."""
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16])
+def test_every_kv_layout_stores_and_gathers_the_same_rows(dtype):
+    """`kv_layout`'s three layouts (the pair layout on any CPU: only reading it through the
+    operator needs VNNI or AVX512-BF16) hold the same rows at the same slots, as writes and
+    gathers see them, and report the same logical shape."""
     from braid.layers import kv_layout
 
     gen = torch.Generator().manual_seed(0)
-    rows = torch.randint(-127, 128, (10, 3, 8), generator=gen, dtype=torch.int8)
+    rows = torch.randint(-127, 128, (10, 3, 8), generator=gen).to(dtype)
     slots = torch.tensor([0, 1, 2, 3, 17, 18, 44, 45, 46, 47])
     block_tables = torch.tensor([[0, 4], [11, 0]])
     gathered = []
-    for layout in (kv_layout.TOKEN_MAJOR, kv_layout.TOKENS_INNERMOST, kv_layout.INT8_PAIRS):
-        for cache in kv_layout.allocate(layout, 12, 4, 3, 8, torch.int8, torch.device("cpu")):
+    for layout in (kv_layout.TOKEN_MAJOR, kv_layout.TOKENS_INNERMOST, kv_layout.PAIRS):
+        for cache in kv_layout.allocate(layout, 12, 4, 3, 8, dtype, torch.device("cpu")):
             assert kv_layout.logical_shape(cache) == (12, 4, 3, 8)
-            assert kv_layout.is_paired(cache) == (layout == kv_layout.INT8_PAIRS)
+            assert kv_layout.is_paired(cache) == (layout == kv_layout.PAIRS)
             kv_layout.store(cache, rows, slots)
             gathered.append(kv_layout.blocks(cache, block_tables))
     assert gathered[0].shape == (2, 2, 4, 3, 8)
@@ -269,8 +270,8 @@ def test_decode_kernel_matches_the_reference(heads, head_dim, dtype, int8_cache)
                                                torch.tensor(lengths), head_dim ** -0.5,
                                                attn.k_scales, attn.v_scales)
     assert out.dtype == dtype and out.shape == q.shape
-    assert kv_layout.is_paired(attn.k_cache) == (
-        int8_cache and decode_kernel.int8_pairs_fit(block_size, head_dim))
+    assert kv_layout.is_paired(attn.k_cache) == decode_kernel.pairs_fit(
+        attn.k_cache.dtype, block_size, head_dim)
     # bf16: the output's rounding (2^-8 relative) on values of order 1
     tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2,
                                                                             "rtol": 1e-2}

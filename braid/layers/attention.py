@@ -20,8 +20,8 @@ from braid.layers.attention_ops import (
 )
 from braid.layers.decode_kernel import (
     causal_prefill_attention,
-    int8_pairs_fit,
     paged_decode_attention,
+    pairs_fit,
 )
 
 
@@ -80,12 +80,12 @@ class PagedAttention(nn.Module):
         `traced_decode_attention` sums each score over head_dim as vector FMAs across a
         block's tokens, not as one horizontal reduction per key (30 compiled layers of SmolLM2
         at batch 32, 2 cores, bf16: 23 ms against 15; 0.89 against 0.73 ms at batch 1); an int8
-        cache the operator reads in pairs is stored in pairs (`kv_layout`).
+        or bf16 cache the operator reads in pairs is stored in pairs (`kv_layout.PAIRS`).
         """
         layout = kv_layout.TOKEN_MAJOR
         if tokens_innermost:
-            paired = dtype == torch.int8 and int8_pairs_fit(block_size, self.head_dim)
-            layout = kv_layout.INT8_PAIRS if paired else kv_layout.TOKENS_INNERMOST
+            paired = pairs_fit(dtype, block_size, self.head_dim)
+            layout = kv_layout.PAIRS if paired else kv_layout.TOKENS_INNERMOST
         self.k_cache, self.v_cache = kv_layout.allocate(layout, num_blocks, block_size,
                                                         self.num_kv_heads, self.head_dim, dtype,
                                                         device)

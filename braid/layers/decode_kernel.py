@@ -94,23 +94,29 @@ def _build() -> None:
 
 def attention_fits(heads: int, k_cache: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether the operator handles `heads` query heads of `dtype` over this key cache
-    (`shape_fits`, in the tokens-innermost or int8 pair layout)."""
+    (`shape_fits`, in the tokens-innermost or pair layout)."""
     _, block_size, kv_heads, head_dim = kv_layout.logical_shape(k_cache)
     return (k_cache.device.type == "cpu"
             and (kv_layout.is_paired(k_cache) or k_cache.stride(1) == 1)
             and shape_fits(heads, kv_heads, head_dim, block_size, dtype, k_cache.dtype))
 
 
-def int8_pairs_fit(block_size: int, head_dim: int) -> bool:
-    """Whether an int8 cache the operator reads is stored in `kv_layout.INT8_PAIRS`: on a CPU
-    with AVX512-VNNI (the library is built for AVX-512 there), head dims up to 512 (int32
-    sums). 30 layers of SmolLM2's caches, 32 sequences of 160 keys, 2-core Xeon with AMX:
-    0.78-0.91x the time of widening each int8 to fp32 for an FMA (from memory), 0.71x with one
-    layer's cache in L3; in a compiled bs 32 step (context 128) attention fell from 16.1-16.7%
-    to 13.7-14.2% of the step. The queries and softmax weights are rounded to int16 (2^-16 of
-    a row's largest, a hundredth of the cache's own rounding)."""
-    return (torch.backends.cpu.get_cpu_capability() == "AVX512"
-            and "avx512_vnni" in cpu_flags()
+def pairs_fit(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
+    """Whether a cache of `dtype` that the operator reads is stored in `kv_layout.PAIRS`
+    (head dims up to 512, the library built for AVX-512):
+
+    - int8 on a CPU with AVX512-VNNI: scores and weighted values as int16 dot products, the
+      queries and softmax weights rounded to int16 (2^-16 of a row's largest, a hundredth of
+      the cache's own rounding). 30 layers of SmolLM2's caches, 32 sequences of 160 keys,
+      2-core Xeon with AMX: 0.78-0.91x the time of widening each int8 to fp32 for an FMA (from
+      memory), 0.71x with one layer's cache in L3; in a compiled bs 32 step (context 128)
+      attention fell from 16.1-16.7% to 13.7-14.2% of the step.
+    - bf16 on a CPU with AVX512-BF16: `vdpbf16ps` over pairs, the softmax weights rounded to
+      bf16 (as transformers' bf16 attention rounds them).
+    """
+    flag = {torch.int8: "avx512_vnni", torch.bfloat16: "avx512_bf16"}.get(dtype)
+    return (flag is not None and torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and flag in cpu_flags()
             and block_size % _VECTOR_FLOATS == 0 and head_dim % _VECTOR_FLOATS == 0
             and head_dim <= 512)
 
@@ -130,9 +136,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scales: torch.Tensor | None = None,
                            v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D]; caches: [blocks, block_size, Hk, D] in `kv_layout`'s tokens-innermost
-    layout, of q's dtype, or int8 (also in the pair layout) with their [blocks, block_size, Hk]
-    float32 scales (laid out as the keys' tokens); block_tables: [B, W] int64; seq_lens: [B]
-    int64 keys per sequence -> [B, Hq, D]."""
+    layout or (int8 or bf16) its pair layout, of q's dtype, or int8 with their [blocks,
+    block_size, Hk] float32 scales (laid out as the keys' tokens); block_tables: [B, W] int64;
+    seq_lens: [B] int64 keys per sequence -> [B, Hq, D]."""
     return torch.ops.braid.paged_decode_attention(q, k_cache, v_cache, k_scales, v_scales,
                                                   block_tables, seq_lens, scale)
 

@@ -7,20 +7,21 @@ Three layouts, each indexed by block, then slot within the block:
 - `TOKENS_INNERMOST` (decode steps that read the cache through `decode_kernel`'s operator, or
   compile): views of that shape over keys stored `[blocks, heads, head_dim, block_size]` and
   values stored `[blocks, heads, block_size, head_dim]`.
-- `INT8_PAIRS` (an int8 cache read by the operator on a CPU with AVX512-VNNI): as
-  `TOKENS_INNERMOST`, but keys keep two head dims of a token side by side (`[blocks, heads,
-  head_dim / 2, block_size, 2]`) and values two tokens of a dimension (`[blocks, heads,
-  block_size / 2, head_dim, 2]`), so that one int16 dot-product instruction takes 16 such
-  pairs. No strided view of `[num_blocks, block_size, heads, head_dim]` indexes that, so the
-  tensors carry the pairs as axes: keys `[blocks, block_size / 2, 2, heads, head_dim / 2, 2]`
-  and values `[blocks, block_size / 2, 2, heads, head_dim]`, token `t` at `[t // 2, t % 2]`.
+- `PAIRS` (an int8 cache read by the operator on a CPU with AVX512-VNNI, a bf16 one on a CPU
+  with AVX512-BF16): as `TOKENS_INNERMOST`, but keys keep two head dims of a token side by
+  side (`[blocks, heads, head_dim / 2, block_size, 2]`) and values two tokens of a dimension
+  (`[blocks, heads, block_size / 2, head_dim, 2]`), so that one dot-product instruction
+  (int16 pairs, or bf16 pairs) takes 16 such pairs. No strided view of `[num_blocks,
+  block_size, heads, head_dim]` indexes that, so the tensors carry the pairs as axes: keys
+  `[blocks, block_size / 2, 2, heads, head_dim / 2, 2]` and values `[blocks, block_size / 2,
+  2, heads, head_dim]`, token `t` at `[t // 2, t % 2]`.
 """
 
 from __future__ import annotations
 
 import torch
 
-TOKEN_MAJOR, TOKENS_INNERMOST, INT8_PAIRS = "token_major", "tokens_innermost", "int8_pairs"
+TOKEN_MAJOR, TOKENS_INNERMOST, PAIRS = "token_major", "tokens_innermost", "pairs"
 
 
 def allocate(layout: str, num_blocks: int, block_size: int, heads: int, head_dim: int,
@@ -36,7 +37,8 @@ def allocate(layout: str, num_blocks: int, block_size: int, heads: int, head_dim
     if layout == TOKENS_INNERMOST:
         keys = zeros(blocks, heads, head_dim, block_size).permute(0, 3, 1, 2)
         return keys, zeros(blocks, heads, block_size, head_dim).permute(0, 2, 1, 3)
-    if layout == INT8_PAIRS and dtype == torch.int8 and block_size % 2 == head_dim % 2 == 0:
+    if (layout == PAIRS and dtype in (torch.int8, torch.bfloat16)
+            and block_size % 2 == head_dim % 2 == 0):
         keys = zeros(blocks, heads, head_dim // 2, pairs, 2, 2).permute(0, 3, 4, 1, 2, 5)
         return keys, zeros(blocks, heads, pairs, head_dim, 2).permute(0, 2, 4, 1, 3)
     raise ValueError(f"no KV cache layout {layout!r} for {dtype}, block size {block_size}, "
@@ -44,7 +46,7 @@ def allocate(layout: str, num_blocks: int, block_size: int, heads: int, head_dim
 
 
 def is_paired(cache: torch.Tensor) -> bool:
-    """Whether `cache` is in the `INT8_PAIRS` layout (the only one with pair axes)."""
+    """Whether `cache` is in the `PAIRS` layout (the only one with pair axes)."""
     return cache.dim() > 4
 
 

@@ -7,11 +7,12 @@
 // about 8 GB/s. Here the G query heads of a KV head share each key load in G registers, the
 // weighted values accumulate in registers, and the next block is prefetched.
 //
-// An int8 cache on a CPU with AVX512-VNNI is stored in pairs (braid/layers/kv_layout.py): two
-// head dims of a key, or two tokens of a value dimension, side by side, so that one vpdpwssd
-// multiplies 16 such pairs (widened to int16) by a pair of int16 queries or softmax weights
-// and adds both products into int32 lanes: under half the instructions of widening each
-// int8 to fp32 for an FMA.
+// An int8 cache on a CPU with AVX512-VNNI, and a bf16 one on a CPU with AVX512-BF16, are
+// stored in pairs (braid/layers/kv_layout.py): two head dims of a key, or two tokens of a value
+// dimension, side by side, so that one vpdpwssd multiplies 16 such pairs (widened to int16) by
+// a pair of int16 queries or softmax weights and adds both products into int32 lanes, or one
+// vdpbf16ps 16 bf16 pairs by a pair of bf16 queries or weights into fp32 lanes: under half the
+// instructions of widening each element to fp32 for an FMA.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -19,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -321,8 +323,77 @@ void attend_pairs(const Task<T, int8_t>& a, float scale, int16_t* halves, float*
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define BRAID_BF16_PAIRS 1
+
+// `attend` for a bf16 cache in the pair layout: one vdpbf16ps multiplies 16 tokens' pairs of
+// head dims by a pair of query dims (the queries are bf16 already) and adds both products in
+// fp32; the values' pairs of tokens take the softmax numerators rounded to bf16 (as
+// transformers' bf16 attention rounds its weights). Half the instructions of widening each
+// bf16 to fp32 for an FMA, and no widening. `halves` holds G * L bf16 weights.
+template <int G, int DC>
+void attend_bf16_pairs(const Task<at::BFloat16, at::BFloat16>& a, float scale, int16_t* halves,
+                       float* scores, int64_t L) {
+  const int64_t blocks = (a.len + a.bs - 1) / a.bs, pairs_of_dims = a.D / 2;
+  int32_t qpairs[G * 256];  // each head's pairs of query dims (D <= 512: `geometry_of`)
+  for (int g = 0; g < G; ++g) std::memcpy(qpairs + g * pairs_of_dims, a.q + g * a.qh, 2 * a.D);
+  for (int64_t w = 0; w < blocks; ++w) {  // prefetched as `scores_of` does
+    if (w + 2 < blocks) prefetch<2>(a.k + a.table[w + 2] * a.k_block, a.D * a.bs);
+    if (w + 1 < blocks) {
+      prefetch<2>(a.v + a.table[w + 1] * a.v_block, a.bs * a.D);
+      prefetch(a.k + a.table[w + 1] * a.k_block, a.D * a.bs);
+    }
+    prefetch(a.v + a.table[w] * a.v_block, a.bs * a.D);
+    for (int64_t c = 0; c < a.bs; c += VL) {
+      const at::BFloat16* kp = a.k + a.table[w] * a.k_block + 2 * c;
+      __m512 acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < pairs_of_dims; ++i) {
+        const __m512bh x = (__m512bh)_mm512_loadu_si512(kp + i * a.kd);
+        for (int g = 0; g < G; ++g)
+          acc[g] = _mm512_dpbf16_ps(acc[g], x,
+                                    (__m512bh)_mm512_set1_epi32(qpairs[g * pairs_of_dims + i]));
+      }
+      for (int g = 0; g < G; ++g) (Vec(acc[g]) * Vec(scale)).store(scores + g * L + w * a.bs + c);
+    }
+  }
+  const int64_t padded = (a.len + VL - 1) / VL * VL;
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* pg = scores + g * L;
+    inv[g] = softmax_numerators(pg, a.len);
+    std::fill(pg + a.len, pg + padded, 0.f);  // the last pair's second token may be past len
+    for (int64_t t = 0; t < padded; t += VL)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(halves + g * L + t),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pg + t)));
+  }
+  const auto* ppairs = reinterpret_cast<const int32_t*>(halves);
+  for (int64_t d0 = 0; d0 < a.D; d0 += DC * VL) {
+    __m512 acc[G][DC];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t w = 0; w < blocks; ++w) {
+      const at::BFloat16* vp = a.v + a.table[w] * a.v_block + 2 * d0;
+      const int32_t* pw = ppairs + w * a.bs / 2;
+      const int64_t pairs = (std::min(a.bs, a.len - w * a.bs) + 1) / 2;
+      for (int64_t j = 0; j < pairs; ++j) {
+        for (int c = 0; c < DC; ++c) {
+          const __m512bh x = (__m512bh)_mm512_loadu_si512(vp + j * a.vt + c * 2 * VL);
+          for (int g = 0; g < G; ++g)
+            acc[g][c] = _mm512_dpbf16_ps(acc[g][c], x,
+                                         (__m512bh)_mm512_set1_epi32(pw[g * L / 2 + j]));
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < DC; ++c)
+        store(Vec(acc[g][c]) * Vec(inv[g]), a.out + g * a.D + d0 + c * VL);
+  }
+}
+#endif
+
 // Where a layer's cache keeps its blocks, heads and rows (strides in elements), in the
-// tokens-innermost layout or the int8 pair layout.
+// tokens-innermost layout or the pair layout (int8 or bf16).
 struct Geometry {
   int64_t bs, Hk, D, k_block, k_head, kd, v_block, v_head, vt;
   bool pairs;
@@ -335,6 +406,14 @@ void attend_task(const Task<T, C>& a, bool pairs, float scale, float* qf, int16_
 #ifdef BRAID_INT8_PAIRS
   if constexpr (std::is_same_v<C, int8_t>) {
     if (pairs) return attend_pairs<G>(a, scale, halves, scores, L);
+  }
+#endif
+#ifdef BRAID_BF16_PAIRS
+  if constexpr (std::is_same_v<C, at::BFloat16> && std::is_same_v<T, at::BFloat16>) {
+    if (pairs) {
+      if (a.D % (4 * VL) == 0) return attend_bf16_pairs<G, 4>(a, scale, halves, scores, L);
+      return attend_bf16_pairs<G, 1>(a, scale, halves, scores, L);
+    }
   }
 #endif
   attend<G>(a, scale, qf, scores, L);
@@ -414,20 +493,28 @@ Geometry geometry_of(const at::Tensor& k, const at::Tensor& v) {
             v.stride(0), v.stride(2), v.stride(1), false};
   }
   constexpr const char* shapes =
-      "paged_decode_attention: caches [blocks, bs, Hk, D], or the int8 pair layout's keys "
-      "[blocks, bs/2, 2, Hk, D/2, 2] and values [blocks, bs/2, 2, Hk, D]";
-  TORCH_CHECK(k.dim() == 6 && v.dim() == 5 && k.scalar_type() == at::kChar, shapes);
+      "paged_decode_attention: caches [blocks, bs, Hk, D], or the pair layout's keys "
+      "[blocks, bs/2, 2, Hk, D/2, 2] and values [blocks, bs/2, 2, Hk, D] (int8 or bf16)";
+  const bool int8 = k.scalar_type() == at::kChar;
+  TORCH_CHECK(k.dim() == 6 && v.dim() == 5 && (int8 || k.scalar_type() == at::kBFloat16),
+              shapes);
   const int64_t bs = 2 * k.size(1), Hk = k.size(3), D = 2 * k.size(4);
   TORCH_CHECK(k.size(2) == 2 && k.size(5) == 2 &&
                   v.sizes() == at::IntArrayRef({k.size(0), bs / 2, 2, Hk, D}), shapes);
   TORCH_CHECK(k.stride(5) == 1 && k.stride(2) == 2 && k.stride(1) == 4 &&
                   v.stride(2) == 1 && v.stride(4) == 2,
               "paged_decode_attention: the pair layout's tokens and pairs innermost");
+  TORCH_CHECK(D <= 512, "paged_decode_attention: the pair layout's head_dim is at most 512 "
+              "(int8: its int32 sums)");
+  if (int8) {
 #ifndef BRAID_INT8_PAIRS
-  TORCH_CHECK(false, "paged_decode_attention: the int8 pair layout needs AVX512-VNNI");
+    TORCH_CHECK(false, "paged_decode_attention: the int8 pair layout needs AVX512-VNNI");
 #endif
-  TORCH_CHECK(D <= 512, "paged_decode_attention: the int8 pair layout's head_dim is at most "
-              "512 (its int32 sums)");
+  } else {
+#ifndef BRAID_BF16_PAIRS
+    TORCH_CHECK(false, "paged_decode_attention: the bf16 pair layout needs AVX512-BF16");
+#endif
+  }
   return {bs, Hk, D, k.stride(0), k.stride(3), k.stride(4), v.stride(0), v.stride(3),
           v.stride(1), true};
 }
