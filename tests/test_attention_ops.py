@@ -178,6 +178,24 @@ def test_every_kv_layout_stores_and_gathers_the_same_rows(dtype):
         assert torch.equal(other, gathered[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16])
+def test_a_compiled_step_stores_pairs_where_the_eager_one_does(dtype):
+    """The compiled decode step writes the pair layout as eager code does (eager writes paired
+    keys through a view of twice the element width, which inductor mishandled)."""
+    from braid.layers import kv_layout
+
+    rows = (torch.randn(5, 3, 8, generator=torch.Generator().manual_seed(0)) * 30).to(dtype)
+    slots = torch.tensor([0, 3, 17, 44, 47])
+    compiled_store = torch.compile(kv_layout.store, fullgraph=True, dynamic=False)
+    eager, compiled = (kv_layout.allocate(kv_layout.PAIRS, 12, 4, 3, 8, dtype, torch.device("cpu"))
+                       for _ in range(2))
+    for write, caches in ((kv_layout.store, eager), (compiled_store, compiled)):
+        for cache in caches:
+            write(cache, rows, slots)
+    for ours, theirs in zip(compiled, eager):
+        assert torch.equal(ours, theirs) and ours.abs().sum() > 0
+
+
 @pytest.mark.parametrize("tokens_innermost", [False, True])
 def test_an_int8_cache_stores_each_row_within_half_its_scale(tokens_innermost):
     """`--kv-cache-dtype int8`: a row is stored as int8 values, its largest magnitude as 127,
