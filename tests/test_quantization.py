@@ -21,7 +21,6 @@ from braid.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from braid.layers.linear import RowParallelLinear
 from braid.layers.quant import (
     INT8_MAX_ROWS,
-    PACKED_MAX_ROWS,
     Int8Weight,
     linear,
     pack_linear_layers,
@@ -87,11 +86,20 @@ class PackedGemmCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# (`PACKED_MAX_ROWS`, rows): within the limit, just past it, any number without one (no AMX)
+PACKING_LIMITS = [(256, 1), (256, 7), (256, 256), (256, 257), (None, 300)]
+
+
+def packed(rows: int, limit: int | None) -> bool:
+    return limit is None or rows <= limit
+
+
 @needs_packing
-@pytest.mark.parametrize("rows", [1, 7, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])
-def test_packed_weights_give_the_row_major_gemm(rows):
-    """Up to `PACKED_MAX_ROWS` rows through the packed weight, more through the row-major one
-    (kept beside it), the same product either way."""
+@pytest.mark.parametrize(("limit", "rows"), PACKING_LIMITS)
+def test_packed_weights_give_the_row_major_gemm(limit, rows, monkeypatch):
+    """Up to `PACKED_MAX_ROWS` rows (any number where it is None) through the packed weight,
+    more through the row-major one (kept beside it), the same product either way."""
+    monkeypatch.setattr(quant, "PACKED_MAX_ROWS", limit)
     gen = torch.Generator().manual_seed(rows)
     layer = RowParallelLinear(96, 80, SkipCommunicator(0, 1), reduce=False, bias=True,
                               dtype=torch.bfloat16)
@@ -103,7 +111,7 @@ def test_packed_weights_give_the_row_major_gemm(rows):
     assert layer.packed is not None
     with PackedGemmCalls() as calls:
         same_gemm(layer(x), expected)
-    assert calls.count == (rows <= PACKED_MAX_ROWS)
+    assert calls.count == packed(rows, limit)
     out = torch.empty(rows, 80, dtype=torch.bfloat16)
     assert layer(x, out) is out  # a shm slot as `out`
     same_gemm(out, expected)
@@ -135,12 +143,14 @@ def test_fp32_weights_stay_row_major():
 
 
 @needs_packing
-@pytest.mark.parametrize("rows", [1, 7, PACKED_MAX_ROWS + 44])
-def test_the_gated_mlp_activation_computes_silu_times_up(rows):
+@pytest.mark.parametrize(("limit", "rows"), [(256, 1), (256, 7), (256, 300), (None, 300)])
+def test_the_gated_mlp_activation_computes_silu_times_up(limit, rows, monkeypatch):
     """`gated_silu` on the packed halves: silu(gate) * up of the merged projection, computed
     in fp32 from the same bf16 operands, within bf16 rounding of the result. The MLP reads
     its packed weights up to `PACKED_MAX_ROWS` rows, the row-major ones beyond."""
     from braid.layers.mlp import GatedMLP
+
+    monkeypatch.setattr(quant, "PACKED_MAX_ROWS", limit)
 
     torch.manual_seed(0)
     mlp = GatedMLP(64, 96, SkipCommunicator(0, 1), torch.bfloat16)
@@ -160,7 +170,7 @@ def test_the_gated_mlp_activation_computes_silu_times_up(rows):
     with PackedGemmCalls() as calls:
         torch.testing.assert_close(mlp(x).float(), expected @ mlp.down_proj.weight.float().T,
                                    rtol=2e-2, atol=6e-2)
-    assert calls.count == (3 if rows <= PACKED_MAX_ROWS else 0)
+    assert calls.count == (3 if packed(rows, limit) else 0)
 
 
 @pytest.fixture(scope="module")

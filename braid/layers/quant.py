@@ -4,10 +4,12 @@
 GEMMs of at most `PACKED_MAX_ROWS` rows (decode, short prompts) read: they no longer reorder the
 weight on every call. Measured on AMX (2 cores, SmolLM2's shapes, weights streamed from memory):
 1.4x faster at 1-128 rows, 2.7x at 256 (where the row-major GEMM takes a slow path);
-bit-identical results. Larger GEMMs read the row-major weight, which is kept: in whole prefill
-steps on the same host it was faster from 512 rows on (1 x 512 1.07x, 2 x 512 1.04x, 8 x 512
-1.14x, the row-major model faster in 20 of 24 interleaved steps at 512-4096 rows). The copy
-costs the weights' bytes again. fp32 keeps the row-major weights only (oneDNN's packed fp32 GEMM
+bit-identical results. With AMX, larger GEMMs read the row-major weight, which is kept: in
+whole prefill steps on the same host it was faster from 512 rows on (1 x 512 1.07x, 2 x 512
+1.04x, 8 x 512 1.14x, the row-major model faster in 20 of 24 interleaved steps at 512-4096
+rows). Without AMX (AVX512-BF16, 2-core Zen 4) the packed weights win at every size: whole
+prefill steps 1.04x faster at 1 x 512, 1.11x at 2 x 512, 1.05x at 8 x 512 (best of 6-10
+interleaved steps). The copy costs the weights' bytes again. fp32 keeps the row-major weights only (oneDNN's packed fp32 GEMM
 was not faster). `--no-weight-packing` turns it off.
 A SwiGLU's merged gate/up weight is packed as its two halves instead, and `gated_silu` applies
 SiLU and the product in the two GEMMs' oneDNN epilogues (eager decode steps 0.95-0.97x at 1 row
@@ -148,12 +150,12 @@ def quantize_linear_layers(model: nn.Module) -> None:
 # The row count oneDNN lays the blocks out for (packing for a step's exact row count was no faster)
 PACK_HINT_ROWS = 256
 # GEMMs of at most this many rows read the packed weights (see the module docstring)
-PACKED_MAX_ROWS = 256
+PACKED_MAX_ROWS = 256 if "amx_bf16" in cpu_flags() else None
 
 
 def packed_applies(x: torch.Tensor) -> bool:
     """Whether a GEMM of `x` reads the packed weights where a layer has them."""
-    return x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
+    return PACKED_MAX_ROWS is None or x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
