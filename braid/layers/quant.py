@@ -9,8 +9,8 @@ whole prefill steps on the same host it was faster from 512 rows on (1 x 512 1.0
 1.04x, 8 x 512 1.14x, the row-major model faster in 20 of 24 interleaved steps at 512-4096
 rows). Without AMX (AVX512-BF16, 2-core Zen 4) the packed weights win at every size: whole
 prefill steps 1.04x faster at 1 x 512, 1.11x at 2 x 512, 1.05x at 8 x 512 (best of 6-10
-interleaved steps). The copy costs the weights' bytes again. fp32 keeps the row-major weights only (oneDNN's packed fp32 GEMM
-was not faster). `--no-weight-packing` turns it off.
+interleaved steps). The copy costs the weights' bytes again. fp32 keeps the row-major weights
+only (oneDNN's packed fp32 GEMM was not faster). `--no-weight-packing` turns it off.
 A SwiGLU's merged gate/up weight is packed as its two halves instead, and `gated_silu` applies
 SiLU and the product in the two GEMMs' oneDNN epilogues (eager decode steps 0.95-0.97x at 1 row
 and 0.98-0.99x at 32 against one merged packed GEMM, but no pass over the activation; the
