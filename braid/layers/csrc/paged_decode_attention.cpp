@@ -332,12 +332,42 @@ void attend_pairs(const Task<T, int8_t>& a, float scale, int16_t* halves, float*
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #define BRAID_BF16_PAIRS 1
 
+// Weighted values of a bf16 cache in the pair layout: one vdpbf16ps takes a pair of tokens'
+// values by the pair of their softmax numerators, rounded to bf16 (`weights`, G rows of L).
+template <int G, int DC>
+void bf16_pair_values(const Task<at::BFloat16, at::BFloat16>& a, const int16_t* weights,
+                      const float* inv, int64_t L) {
+  const int64_t blocks = (a.len + a.bs - 1) / a.bs;
+  const auto* ppairs = reinterpret_cast<const int32_t*>(weights);
+  for (int64_t d0 = 0; d0 < a.D; d0 += DC * VL) {
+    __m512 acc[G][DC];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t w = 0; w < blocks; ++w) {
+      const at::BFloat16* vp = a.v + a.table[w] * a.v_block + 2 * d0;
+      const int32_t* pw = ppairs + w * a.bs / 2;
+      const int64_t pairs = (std::min(a.bs, a.len - w * a.bs) + 1) / 2;
+      for (int64_t j = 0; j < pairs; ++j) {
+        for (int c = 0; c < DC; ++c) {
+          const __m512bh x = (__m512bh)_mm512_loadu_si512(vp + j * a.vt + c * 2 * VL);
+          for (int g = 0; g < G; ++g)
+            acc[g][c] = _mm512_dpbf16_ps(acc[g][c], x,
+                                         (__m512bh)_mm512_set1_epi32(pw[g * L / 2 + j]));
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < DC; ++c)
+        store(Vec(acc[g][c]) * Vec(inv[g]), a.out + g * a.D + d0 + c * VL);
+  }
+}
+
 // `attend` for a bf16 cache in the pair layout: one vdpbf16ps multiplies 16 tokens' pairs of
 // head dims by a pair of query dims (the queries are bf16 already) and adds both products in
 // fp32; the values' pairs of tokens take the softmax numerators rounded to bf16 (as
 // transformers' bf16 attention rounds its weights). Half the instructions of widening each
 // bf16 to fp32 for an FMA, and no widening. `halves` holds G * L bf16 weights.
-template <int G, int DC>
+template <int G>
 void attend_bf16_pairs(const Task<at::BFloat16, at::BFloat16>& a, float scale, int16_t* halves,
                        float* scores, int64_t L) {
   const int64_t blocks = (a.len + a.bs - 1) / a.bs, pairs_of_dims = a.D / 2;
@@ -368,27 +398,10 @@ void attend_bf16_pairs(const Task<at::BFloat16, at::BFloat16>& a, float scale, i
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(halves + g * L + t),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pg + t)));
   }
-  const auto* ppairs = reinterpret_cast<const int32_t*>(halves);
-  for (int64_t d0 = 0; d0 < a.D; d0 += DC * VL) {
-    __m512 acc[G][DC];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_setzero_ps();
-    for (int64_t w = 0; w < blocks; ++w) {
-      const at::BFloat16* vp = a.v + a.table[w] * a.v_block + 2 * d0;
-      const int32_t* pw = ppairs + w * a.bs / 2;
-      const int64_t pairs = (std::min(a.bs, a.len - w * a.bs) + 1) / 2;
-      for (int64_t j = 0; j < pairs; ++j) {
-        for (int c = 0; c < DC; ++c) {
-          const __m512bh x = (__m512bh)_mm512_loadu_si512(vp + j * a.vt + c * 2 * VL);
-          for (int g = 0; g < G; ++g)
-            acc[g][c] = _mm512_dpbf16_ps(acc[g][c], x,
-                                         (__m512bh)_mm512_set1_epi32(pw[g * L / 2 + j]));
-        }
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < DC; ++c)
-        store(Vec(acc[g][c]) * Vec(inv[g]), a.out + g * a.D + d0 + c * VL);
+  if (a.D % (4 * VL) == 0) {
+    bf16_pair_values<G, 4>(a, halves, inv, L);
+  } else {
+    bf16_pair_values<G, 1>(a, halves, inv, L);
   }
 }
 #endif
@@ -411,10 +424,7 @@ void attend_task(const Task<T, C>& a, bool pairs, float scale, float* qf, int16_
 #endif
 #ifdef BRAID_BF16_PAIRS
   if constexpr (std::is_same_v<C, at::BFloat16> && std::is_same_v<T, at::BFloat16>) {
-    if (pairs) {
-      if (a.D % (4 * VL) == 0) return attend_bf16_pairs<G, 4>(a, scale, halves, scores, L);
-      return attend_bf16_pairs<G, 1>(a, scale, halves, scores, L);
-    }
+    if (pairs) return attend_bf16_pairs<G>(a, scale, halves, scores, L);
   }
 #endif
   attend<G>(a, scale, qf, scores, L);
