@@ -131,9 +131,43 @@ def test_a_packed_lm_head_gives_row_major_logits(tied):
     pack_linear_layers(head)
     assert head.packed is not None
     logits = head(hidden)
-    assert logits.is_contiguous()
-    same_gemm(logits, expected)
+    assert logits.is_contiguous() and logits.dtype == torch.float32
+    same_gemm(logits, expected.float())
     assert embedding.weight is not None  # the embedding still looks its rows up
+
+
+class _TwoRankGather(SkipCommunicator):
+    """One process playing both ranks of a gather to rank 0: each rank leaves its piece in
+    `box`; rank 0's gather returns the pieces in rank order (rank 1 runs first)."""
+
+    def __init__(self, rank: int, box: dict[int, torch.Tensor]) -> None:
+        super().__init__(rank, 2)
+        self.box = box
+
+    def _gather_to_first(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+        self.box[self.rank] = x
+        return torch.cat([self.box[0], self.box[1]]) if self.rank == 0 else None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tensor_parallel_lm_head_places_each_ranks_columns(dtype):
+    """Rank 0 gets [tokens, vocab] float32 logits with each rank's vocabulary in its columns,
+    whether the ranks computed them row-major (packed bf16) or transposed (fp32)."""
+    vocab, hidden_size, tokens = 301, 64, 5
+    full = torch.randn(vocab, hidden_size, generator=torch.Generator().manual_seed(4)).to(dtype)
+    hidden = torch.randn(tokens, hidden_size, generator=torch.Generator().manual_seed(5)).to(dtype)
+    box: dict[int, torch.Tensor] = {}
+    logits = {}
+    for rank in (1, 0):
+        embedding = VocabParallelEmbedding(vocab, hidden_size, _TwoRankGather(rank, box), dtype)
+        embedding.weight.data.copy_(full[embedding.start:embedding.start + embedding.size])
+        head = ParallelLMHead(embedding, tied=True)
+        pack_linear_layers(head)
+        assert (head.packed is not None) == packing_supported(full)
+        logits[rank] = head(hidden)
+    assert logits[1].shape == (0, vocab)
+    assert logits[0].dtype == torch.float32 and logits[0].is_contiguous()
+    same_gemm(logits[0], F.linear(hidden, full).float())
 
 
 def test_fp32_weights_stay_row_major():

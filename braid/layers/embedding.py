@@ -44,21 +44,16 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module, Quantizable):
     """Logits over this rank's vocabulary range, gathered into the full vocabulary on rank 0
-    (which samples); the other ranks get no rows.
+    (which samples) as `[tokens, vocab]` float32; the other ranks get no rows.
 
-    With tied embeddings the head reuses the embedding's weight (same vocabulary split).
+    With tied embeddings the head reuses the embedding's weight (same vocabulary split), and
+    its packed copy (`pack_linear_layers`) packs the embedding's rows.
     """
 
     def __init__(self, embedding: VocabParallelEmbedding, tied: bool) -> None:
         super().__init__()
         self.comm = embedding.comm
         self.vocab_sizes = embedding.vocab_sizes
-        # At tp 1 the head's output is the logits, wanted row-major: a packed weight gives
-        # them so (2.5 ms against 3.7 for the transposed product and its copy at 1 row, 3.6
-        # against 9.1 at 32, weights cold). A tied head packs a copy of the embedding's rows.
-        # Under tensor parallelism the gather wants [vocab, tokens], where weight @ hidden^T
-        # on the row-major weight is faster from 8 rows on.
-        self.packable = self.comm.world_size == 1
         if tied:
             self.tied_embedding = [embedding]  # a list, so the parameter is not registered twice
             self.weight = None
@@ -71,21 +66,41 @@ class ParallelLMHead(nn.Module, Quantizable):
         return self.tied_embedding[0].weight if self.tied_embedding else self.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # A compiled step (braid.engine.compiled_step) takes the linear form too: inductor
-        # packs a linear's weight, not a plain product's.
+        local = self._local_logits(hidden)
+        if self.comm.world_size == 1:
+            return local.float()
+        return self._gather_columns(local)
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[tokens, this rank's vocabulary], contiguous or a transposed view."""
+        # The packed weight is the fastest form (one thread, 24,576 rows of SmolLM2 at tp 2,
+        # weights cold, 2-core Zen 4: 1.5 / 2.2 / 5.2 ms at 1 / 8 / 32 rows, against 3.2 / 5.0
+        # / 6.7 for weight @ hidden^T and another 2 ms at 32 rows to transpose that). A
+        # compiled step (braid.engine.compiled_step) takes the linear form too: inductor packs
+        # a linear's weight, not a plain product's.
         if (self.packed is not None or int8_applies(hidden, self.int8)
                 or torch.compiler.is_compiling()):
-            rows = linear(hidden, self.quantizable_weight(), int8=self.int8,
-                          packed=self.packed, gemv=self.gemv)  # [tokens, vocab]
-            if self.comm.world_size == 1:
-                return rows
-            local = rows.t()
-        else:
-            # weight @ hidden^T, i.e. [vocab, tokens]: for the few rows of a decode step MKL
-            # runs this orientation about 1.5x faster than F.linear; it is the gather's layout.
-            local = torch.mm(self.quantizable_weight(), hidden.t())
-        if self.comm.world_size > 1:
-            local = self.comm.gather_to_first(local, self.vocab_sizes)
-            if local is None:
-                return hidden.new_empty(0, sum(self.vocab_sizes))
-        return local.t()
+            return linear(hidden, self.quantizable_weight(), int8=self.int8,
+                          packed=self.packed, gemv=self.gemv)
+        # Unpacked (fp32, --no-weight-packing): weight @ hidden^T, which MKL runs about 1.5x
+        # faster than F.linear for the few rows of a decode step.
+        return torch.mm(self.quantizable_weight(), hidden.t()).t()
+
+    def _gather_columns(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's `[tokens, part]` logits placed side by side on rank 0, as float32;
+        an empty tensor on the others. Each rank sends its part in its memory order (every
+        rank takes the same path, so the orders agree), and rank 0 places each part as one
+        strided copy that also converts it."""
+        tokens = local.shape[0]
+        transposed = not local.is_contiguous()
+        flat = (local.t() if transposed else local).reshape(-1)
+        gathered = self.comm.gather_to_first(flat, [tokens * size for size in self.vocab_sizes])
+        if gathered is None:
+            return local.new_empty(0, sum(self.vocab_sizes), dtype=torch.float32)
+        out = torch.empty(tokens, sum(self.vocab_sizes), dtype=torch.float32,
+                          device=local.device)
+        parts = gathered.split([tokens * size for size in self.vocab_sizes])
+        columns = out.split(self.vocab_sizes, dim=1)
+        for size, part, column in zip(self.vocab_sizes, parts, columns):
+            column.copy_(part.view(size, tokens).t() if transposed else part.view(tokens, size))
+        return out

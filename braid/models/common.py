@@ -129,6 +129,6 @@ class CausalLM(nn.Module):
         if hidden.shape[0] == 0:  # no logits wanted (a prompt chunk): every rank skips the head
             state.put("logits", hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32))
             return
-        # Row-major fp32: the head's [tokens, vocab] is a transposed view, and sampling over
-        # a transposed layout (argmax, row selection) costs several times the transpose.
-        state.put("logits", self.lm_head(hidden).contiguous().float())
+        # Row-major: sampling over a transposed layout (argmax, row selection) costs several
+        # times the transpose.
+        state.put("logits", self.lm_head(hidden).contiguous())
