@@ -91,15 +91,15 @@ class ParallelLMHead(nn.Module, Quantizable):
         an empty tensor on the others. Each rank sends its part in its memory order (every
         rank takes the same path, so the orders agree), and rank 0 places each part as one
         strided copy that also converts it."""
-        tokens = local.shape[0]
+        tokens, vocab = local.shape[0], sum(self.vocab_sizes)
         transposed = not local.is_contiguous()
         flat = (local.t() if transposed else local).reshape(-1)
-        gathered = self.comm.gather_to_first(flat, [tokens * size for size in self.vocab_sizes])
+        numels = [tokens * size for size in self.vocab_sizes]
+        gathered = self.comm.gather_to_first(flat, numels)
         if gathered is None:
-            return local.new_empty(0, sum(self.vocab_sizes), dtype=torch.float32)
-        out = torch.empty(tokens, sum(self.vocab_sizes), dtype=torch.float32,
-                          device=local.device)
-        parts = gathered.split([tokens * size for size in self.vocab_sizes])
+            return local.new_empty(0, vocab, dtype=torch.float32)
+        out = torch.empty(tokens, vocab, dtype=torch.float32, device=local.device)
+        parts = gathered.split(numels)
         columns = out.split(self.vocab_sizes, dim=1)
         for size, part, column in zip(self.vocab_sizes, parts, columns):
             column.copy_(part.view(size, tokens).t() if transposed else part.view(tokens, size))
