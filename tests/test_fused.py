@@ -25,6 +25,7 @@ def kernels():
 def test_compiled_kernels_equal_eager(kernels, dtype):
     fused.configure_compile("on")
     assert kernels.compiled is not None, "torch.compile failed on this host"
+    kernels.native = False  # the compiled norm, as where the C++ one is not built (CUDA, fp16)
     gen = torch.Generator().manual_seed(0)
     for rows in (fused.COMPILED_MIN_TOKENS, 300):
         x = torch.randn(rows, 576, generator=gen).to(dtype)
@@ -62,6 +63,7 @@ def test_weights_a_frozen_graph_has_read_share_one_compiled_norm(kernels):
     """Freezing (the compiled decode step) marks the parameters it reads as guarded
     constants; the prompt steps' norms must still share one graph across layers."""
     fused.configure_compile("on")
+    kernels.native = False  # the compiled norm, as where the C++ one is not built (CUDA, fp16)
     x = torch.randn(fused.COMPILED_MIN_TOKENS, 576).bfloat16()
     weights = [torch.nn.Parameter(torch.randn(576).bfloat16(), requires_grad=False)
                for _ in range(3)]
@@ -86,6 +88,23 @@ def test_the_one_pass_eager_rms_norm_equals_the_formula(dtype):
     tolerance = 1e-6 if dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(fused._rms_norm_eager(x, weight, 1e-5),
                                fused._rms_norm(x, weight, 1e-5), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_rms_norm_equals_the_formula(kernels, dtype):
+    """On CPU every norm outside a compiled graph is the C++ operator, at any row count, with
+    vector tails (a width of 100) and leading dims (per-head norms)."""
+    fused.configure_compile("off")
+    assert kernels.native, "decode_kernel's library did not build on this host"
+    gen = torch.Generator().manual_seed(3)
+    tolerance = 1e-6 if dtype == torch.float32 else 2 ** -7
+    for shape in ((1, 576), (32, 576), (7, 100), (5, 3, 64), (2048, 576)):
+        x = torch.randn(*shape, generator=gen).to(dtype) * 3
+        weight = torch.randn(shape[-1], generator=gen).to(dtype)
+        out = fused.rms_norm(x, weight, 1e-5)
+        assert torch.equal(out, torch.ops.braid.rms_norm(x, weight, 1e-5))
+        torch.testing.assert_close(out, fused._rms_norm(x, weight, 1e-5), atol=tolerance,
+                                   rtol=tolerance)
 
 
 def test_small_steps_and_off_stay_eager(kernels):
