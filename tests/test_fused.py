@@ -47,16 +47,22 @@ def test_compiled_kernels_equal_eager(kernels, dtype):
                                    atol=tolerance, rtol=tolerance)
 
 
-def test_the_compiled_pair_sum_has_the_eager_bits(kernels):
-    """Ranks sum block partials with it; compiled or not, the bits must not change."""
-    fused.configure_compile("on")
+def test_the_pair_sum_rounds_once_with_or_without_the_native_operator(kernels):
+    """Ranks sum block partials and the residual with it: one rounding of the fp32 sum, the
+    same bits from the C++ operator (any row count, vector tails) and from the formula."""
+    fused.configure_compile("off")
+    assert kernels.native, "decode_kernel's library did not build on this host"
     gen = torch.Generator().manual_seed(2)
     for dtype in (torch.bfloat16, torch.float32):
-        for rows in (fused._MIN_ROWS["add_pair"], 1500):
-            a, b, residual = (torch.randn(rows, 576, generator=gen).to(dtype) for _ in range(3))
-            assert kernels.pick("add_pair", rows) is kernels.compiled["add_pair"]
-            assert torch.equal(fused.add_pair(a, b, residual), fused._add_pair(a, b, residual))
-    assert kernels.pick("add_pair", fused._MIN_ROWS["add_pair"] - 1) is fused._add_pair
+        for shape in ((1, 576), (32, 576), (3, 100), (1500, 576)):
+            a, b, residual = (torch.randn(*shape, generator=gen).to(dtype) for _ in range(3))
+            once = (a.double() + b.double() + residual.double()).to(dtype)
+            kernels.native = True
+            native = fused.add_pair(a, b, residual)
+            kernels.native = False
+            assert torch.equal(native, fused.add_pair(a, b, residual))
+            if dtype == torch.bfloat16:  # fp32 sums of bf16 terms: exact before the rounding
+                assert torch.equal(native, once)
 
 
 def test_weights_a_frozen_graph_has_read_share_one_compiled_norm(kernels):

@@ -20,8 +20,9 @@ release (which deadlocked).
 
 Between the two, the caller computes (two-batch overlap runs the other micro-batch there), so the
 wait is usually free. Tensors larger than a slot go in chunks, one operation each. Reductions run
-in rank order on every rank (bitwise-identical results everywhere), rounding 16-bit sums as an
-fp32 accumulation would.
+in rank order on every rank (bitwise-identical results everywhere); 16-bit sums, the residual
+included, accumulate in fp32 and round once (`torch.distributed`'s backends round the sum over
+ranks, then its addition to the residual).
 
 Ordering relies on the host's total store order (x86): the data copy completes before the header
 store that publishes it, and readers load the header before the data. Python has no portable
@@ -392,22 +393,22 @@ class ShmCommunicator(Communicator):
 
 
 def _sum(parts: list[torch.Tensor], residual: torch.Tensor | None = None) -> torch.Tensor:
-    """parts[0] + parts[1] + ... in rank order (then + residual), as a new tensor.
-
-    Two 16-bit parts add in one pass (the kernel adds in fp32 and rounds once, as an fp32 sum
-    would); more accumulate in fp32. Every rank runs the same order, so all get the same bits.
-    """
-    if len(parts) == 2 and residual is not None:  # tp 2's block sums (compiled for many rows)
+    """parts[0] + parts[1] + ... in rank order, then + residual, as a new tensor; 16-bit terms
+    are summed in fp32 and rounded once (tp 2's block sums in one pass: `add_pair`). Every
+    rank runs the same order, so all get the same bits."""
+    if len(parts) == 2 and residual is not None:
         return add_pair(parts[0], parts[1], residual)
-    if len(parts) == 1:
-        out = parts[0].clone()
-    elif len(parts) > 2 and parts[0].dtype in (torch.float16, torch.bfloat16):
-        acc = parts[0].float()
-        for part in parts[1:]:
-            acc.add_(part)
-        out = acc.to(parts[0].dtype)
-    else:
-        out = torch.add(parts[0], parts[1])
-        for part in parts[2:]:
-            out.add_(part)
-    return out if residual is None else out.add_(residual)
+    terms = parts if residual is None else [*parts, residual]
+    if len(terms) == 1:
+        return terms[0].clone()
+    if len(terms) == 2:  # 16-bit: added in fp32, rounded once
+        return torch.add(terms[0], terms[1])
+    if terms[0].dtype in (torch.float16, torch.bfloat16):
+        acc = terms[0].float()
+        for term in terms[1:]:
+            acc.add_(term)
+        return acc.to(terms[0].dtype)
+    out = torch.add(terms[0], terms[1])
+    for term in terms[2:]:
+        out.add_(term)
+    return out

@@ -7,8 +7,9 @@
   compiled step;
 - `torch.ops.braid.causal_prefill_attention`: causal attention of fresh prompts or chunks over
   their keys, bf16 on CPUs with AVX512-BF16 (`csrc/prefill_attention.cpp`), in eager prefill;
-- `torch.ops.braid.rms_norm`: RMSNorm in one pass per row, float32 or bf16
-  (`csrc/norm.cpp`), for every norm outside a compiled graph (`fused.rms_norm`).
+- `torch.ops.braid.rms_norm` and `add_pair`: RMSNorm, and the sum of two ranks' block outputs
+  with the residual, each in one pass, float32 or bf16 (`csrc/residual.cpp`), outside compiled
+  graphs (`fused`).
 
 Inductor's code for the same reductions (`traced_decode_attention`) is bound by add latency and
 memory stalls: 500-610 us a layer for 32 sequences of 160 keys (SmolLM2's 9 query and 3 KV
@@ -40,7 +41,7 @@ from braid.layers import kv_layout
 
 _SOURCES = [Path(__file__).with_name("csrc") / name
             for name in ("paged_decode_attention.cpp", "gemv.cpp", "prefill_attention.cpp",
-                         "norm.cpp")]
+                         "residual.cpp")]
 # torch's vector ISA (what at::vec compiles to) -> the macro that selects it
 _CAPABILITY_MACROS = {"AVX512": ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
                       "AVX2": ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]}

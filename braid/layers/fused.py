@@ -30,7 +30,7 @@ from braid.config import COMPILE_CHOICES
 from braid.layers import decode_kernel
 
 COMPILED_MIN_TOKENS = 128  # measured crossover of a compiled call's overhead (see docstring)
-# The dtypes `decode_kernel`'s RMSNorm operator takes
+# The dtypes `decode_kernel`'s elementwise operators take
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -73,26 +73,9 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _add_pair(a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    return torch.add(a, b).add_(residual)
-
-
-def _add_pair_formula(a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """`_add_pair` with its two roundings spelled out, which the compiler keeps when told to
-    emulate precision casts: the same bits as eager."""
-    pair = (a.float() + b.float()).to(a.dtype)
-    return (pair.float() + residual.float()).to(a.dtype)
-
-
 _EAGER: dict[str, Callable] = {"rms_norm": _rms_norm_eager, "rotate": _rotate,
-                               "silu_mul": _silu_mul, "add_pair": _add_pair}
-_TO_COMPILE: dict[str, Callable] = {**_EAGER, "rms_norm": _rms_norm, "rotate": _rotate_by_halves,
-                                    "add_pair": _add_pair_formula}
-# Fewest rows at which each compiled kernel runs. The pair sum wins from 512 rows (one
-# thread, 2-core Xeon: bf16 1,024 rows 240 us against 339 eager, 4,096 rows of 576 756 against
-# 1,470; fp32, one pass instead of eager's two, 1,820 rows of 576 663 against 737).
-_MIN_ROWS = {"add_pair": 512}
-_OPTIONS = {"add_pair": {"emulate_precision_casts": True}}
+                               "silu_mul": _silu_mul}
+_TO_COMPILE: dict[str, Callable] = {**_EAGER, "rms_norm": _rms_norm, "rotate": _rotate_by_halves}
 
 
 class _Kernels:
@@ -118,8 +101,7 @@ class _Kernels:
     def pick(self, name: str, rows: int) -> Callable:
         if torch.compiler.is_compiling():  # inside a compiled step: the fusable formula
             return _TO_COMPILE[name]
-        if (self.mode == "off" or self.failed
-                or rows < _MIN_ROWS.get(name, COMPILED_MIN_TOKENS)):
+        if self.mode == "off" or self.failed or rows < COMPILED_MIN_TOKENS:
             return _EAGER[name]
         if self.compiled is None:
             self._compile()
@@ -132,7 +114,7 @@ class _Kernels:
             print("braid: compiling fused elementwise kernels (torch.compile, once per "
                   "process; --compile off skips this)", file=sys.stderr, flush=True)
         try:
-            compiled = {name: torch.compile(fn, dynamic=True, options=_OPTIONS.get(name))
+            compiled = {name: torch.compile(fn, dynamic=True)
                         for name, fn in _TO_COMPILE.items()}
             _warm_up(compiled)
         except Exception as e:  # noqa: BLE001 - any compiler failure means: run eager
@@ -153,7 +135,6 @@ def _warm_up(compiled: dict[str, Callable]) -> None:
             for interleaved in (False, True):
                 compiled["rotate"](x, angle.cos(), angle.sin(), interleaved)
             compiled["silu_mul"](x[:, 0])
-            compiled["add_pair"](*torch.randn(3, _MIN_ROWS["add_pair"], 8).to(dtype))
 
 
 _kernels = _Kernels()
@@ -179,8 +160,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # its own until the recompile limit (8), and the rest would run eager. A detached
         # view is a plain tensor input.
         weight = weight.detach()
-        if (_kernels.native and x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES
-                and weight.dtype == x.dtype):
+        if _native_fits(x, weight):
             return torch.ops.braid.rms_norm(x.contiguous(), weight, eps)
     return _kernels.pick("rms_norm", x.shape[0])(x, weight, eps)
 
@@ -198,6 +178,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def add_pair(a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """`(a + b) + residual`, each sum rounded to the dtype (a block's two partial outputs,
-    then the residual stream); compiled for many rows, with the same bits as eager."""
-    return _kernels.pick("add_pair", a.shape[0])(a, b, residual)
+    """`a + b + residual` (a block's two partial outputs, then the residual stream), summed in
+    fp32 and rounded once to the dtype, through `decode_kernel`'s one-pass operator where it is
+    built (CPU, float32 and bf16; the same bits).
+
+    Rounding the pair before adding the residual, as a bf16 sum of the pair would, moved tp 2's
+    bf16 logits from the single-rank ones: SmolLM2's chat answer to "What is the capital of
+    France?" opened with "L" (25.125) over "The" (25.0), where transformers' bf16 model has
+    "The" 25.75 and "L" 25.5; rounded once, tp 2 gives exactly those. The operator also
+    outran the kernels it replaces (one core of a Zen 4 host, bf16 rows of 576): 6.8 against
+    12.6 us for eager's two adds at 32 rows, 0.39 against 0.58 ms compiled at 4,096."""
+    if _native_fits(a, b, residual):
+        return torch.ops.braid.add_pair(a.contiguous(), b.contiguous(), residual.contiguous())
+    return (a.float() + b.float() + residual.float()).to(a.dtype)
+
+
+def _native_fits(*tensors: torch.Tensor) -> bool:
+    """Whether `decode_kernel`'s elementwise operators take these tensors: built, on CPU,
+    float32 or bf16, all of one dtype."""
+    first = tensors[0]
+    return (_kernels.native and first.device.type == "cpu" and first.dtype in _NATIVE_DTYPES
+            and all(t.dtype == first.dtype for t in tensors))

@@ -1,13 +1,13 @@
-// RMSNorm in one pass over each row (braid/layers/decode_kernel.py builds this file with the
-// attention operators; `fused.rms_norm` calls it for the rows it does not compile).
-//
-// Eagerly, ATen runs the norm as four operators (widen, norm, round, weight), each a dispatch
-// and a pass over memory, and its fp32 norm is itself several: on one core of a Zen 4 host,
-// 27 us for one row of 576 and 42 us for 32 rows, where this takes 4 and 12 us. A decode step
-// of SmolLM2 runs 61 norms. It rounds where ATen's operators round (the normalised row to the
-// dtype, then the product with the weight); only the sum of squares is accumulated in another
-// order, in fp32 either way (bf16 outputs matched eager's bits in all but 15 of 2.4 million
-// elements, each then one bf16 step apart).
+// The residual stream's elementwise work, one pass each (braid/layers/decode_kernel.py builds
+// this file with the attention operators; `fused` calls it outside compiled graphs):
+// - `rms_norm`: eagerly, ATen runs the norm as four operators (widen, norm, round, weight), and
+//   its fp32 norm is itself several, each a dispatch and a pass over memory. It rounds here
+//   where ATen's operators round (the normalised row to the dtype, then the product with the
+//   weight); only the sum of squares is accumulated in another order, in fp32 either way
+//   (bf16 outputs matched eager's bits in all but 15 of 2.4 million elements, each then one
+//   bf16 step apart).
+// - `add_pair`: two ranks' block outputs and the residual summed in fp32 and rounded once,
+//   in that order, as `(a.float() + b.float() + residual.float()).to(dtype)`.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -76,6 +76,16 @@ void rms_norm_rows(const T* x, const T* weight, T* out, int64_t H, float eps, in
   }
 }
 
+// out = round(a + b + residual), summed in fp32.
+template <typename T>
+void add_pair_span(const T* a, const T* b, const T* residual, T* out, int64_t begin,
+                   int64_t end) {
+  for (int64_t i = begin; i < end; i += VL) {
+    const int64_t n = std::min(VL, end - i);
+    store(load(a + i, n) + load(b + i, n) + load(residual + i, n), out + i, n);
+  }
+}
+
 void check_rows(const at::Tensor& t, const at::Tensor& like, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, " must be a contiguous CPU tensor");
   TORCH_CHECK(t.scalar_type() == like.scalar_type(), what, " must have the input's dtype");
@@ -106,12 +116,38 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+template <typename T>
+void add_pair_all(const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual,
+                  at::Tensor& out) {
+  at::parallel_for(0, a.numel(), GRAIN_ELEMS, [&](int64_t begin, int64_t end) {
+    add_pair_span(a.data_ptr<T>(), b.data_ptr<T>(), residual.data_ptr<T>(), out.data_ptr<T>(),
+                  begin, end);
+  });
+}
+
+at::Tensor add_pair(const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual) {
+  check_rows(a, a, "a");
+  check_rows(b, a, "b");
+  check_rows(residual, a, "residual");
+  TORCH_CHECK(a.sizes() == b.sizes() && a.sizes() == residual.sizes(),
+              "a, b and residual must have one shape");
+  at::Tensor out = at::empty_like(a);
+  if (a.scalar_type() == at::kBFloat16) {
+    add_pair_all<at::BFloat16>(a, b, residual, out);
+  } else {
+    add_pair_all<float>(a, b, residual, out);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(braid, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_pair(Tensor a, Tensor b, Tensor residual) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(braid, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_pair", &add_pair);
 }
