@@ -253,7 +253,9 @@ def test_the_prefill_kernel_is_as_close_to_fp32_as_the_path_it_replaces(
     """bf16 prompt logits with the prefill operator (prompts of equal length in one call,
     unequal ones a call each) stray no further from the fp32 model's than those of the path
     it replaces (SDPA with AMX, the blocked GEMMs without) do, and pick the same next tokens
-    nearly everywhere."""
+    nearly everywhere. Straying is the mean absolute error over the prompt's logits: the
+    largest one is a single near-tie of bf16 rounding, which swapped sides (0.87 against
+    1.35, 2.32 against 1.51) when only the norm's rounding changed."""
     import braid.layers.attention as attention
 
     text = sum(prompt_ids, []) * 40
@@ -277,8 +279,8 @@ def test_the_prefill_kernel_is_as_close_to_fp32_as_the_path_it_replaces(
         monkeypatch.setattr(attn, "use_prefill_kernel", False)
     without = core.prompt_logits(prompts)
     for kernel, other, fp32 in zip(with_kernel, without, exact):
-        kernel_error, other_error = ((x - fp32).abs().max().item() for x in (kernel, other))
-        assert kernel_error <= 1.25 * other_error + 0.05, (kernel_error, other_error)
+        kernel_error, other_error = ((x - fp32).abs().mean().item() for x in (kernel, other))
+        assert kernel_error <= 1.25 * other_error, (kernel_error, other_error)
         assert (kernel.argmax(-1) == fp32.argmax(-1)).float().mean() >= 0.95
 
 

@@ -150,10 +150,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * x / rms(x)`, computed in fp32 and cast back (as Hugging Face Llama does).
 
     On CPU, for float32 and bf16, this is `decode_kernel`'s C++ operator wherever the library
-    is built (`csrc/norm.cpp`, one pass per row) at any number of rows: one core of a 2-core
-    Zen 4 host, bf16 rows of 576, took 2.7 us at one row and 7 at 32 against eager's 17 and 27,
-    and beat the compiled kernel too (21 against 52 us at 128 rows, 0.62 against 0.77 ms at
-    4,096)."""
+    is built (`csrc/residual.cpp`, one pass per row, rounded once as the compiled formula is)
+    at any number of rows: one core of a 2-core Zen 4 host, bf16 rows of 576, took 2.6 us at
+    one row and 6.1 at 32 against eager's 16 and 27, and beat the compiled kernel too (17
+    against 50 us at 128 rows, 0.47 against 0.75 ms at 4,096)."""
     if not torch.compiler.is_compiling():
         # Once a frozen graph (the compiled decode step) has read a parameter, dynamo treats
         # it as a constant: passed as itself, each layer's weight would compile a kernel of

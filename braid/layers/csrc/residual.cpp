@@ -1,11 +1,10 @@
 // The residual stream's elementwise work, one pass each (braid/layers/decode_kernel.py builds
 // this file with the attention operators; `fused` calls it outside compiled graphs):
 // - `rms_norm`: eagerly, ATen runs the norm as four operators (widen, norm, round, weight), and
-//   its fp32 norm is itself several, each a dispatch and a pass over memory. It rounds here
-//   where ATen's operators round (the normalised row to the dtype, then the product with the
-//   weight); only the sum of squares is accumulated in another order, in fp32 either way
-//   (bf16 outputs matched eager's bits in all but 15 of 2.4 million elements, each then one
-//   bf16 step apart).
+//   its fp32 norm is itself several, each a dispatch and a pass over memory. Here the row is
+//   read once, its squares summed in fp32, and the product of the normalised row and the
+//   weight rounded once, as the compiled norm (`fused._rms_norm` under inductor) computes it:
+//   eager rounds the normalised row to the dtype first.
 // - `add_pair`: two ranks' block outputs and the residual summed in fp32 and rounded once,
 //   in that order, as `(a.float() + b.float() + residual.float()).to(dtype)`.
 #include <torch/extension.h>
@@ -46,15 +45,8 @@ inline void store(const Vec& x, at::BFloat16* p, int64_t n) {
   at::vec::convert<at::BFloat16>(x).store(p, n);
 }
 #endif
-// `x` rounded to T's precision (round to nearest even, as ATen's conversions), kept in fp32.
-inline Vec round_to(const Vec& x, const float*) { return x; }
-inline Vec round_to(const Vec& x, const at::BFloat16*) {
-  at::BFloat16 rounded[VL];
-  store(x, rounded, VL);
-  return load(rounded, VL);
-}
 
-// out = weight * round(x / rms(x)), as `weight * F.rms_norm(x.float()).to(dtype)`.
+// out = round(weight * x / rms(x)), in fp32 until the one rounding.
 template <typename T>
 void rms_norm_rows(const T* x, const T* weight, T* out, int64_t H, float eps, int64_t r0,
                    int64_t r1) {
@@ -70,8 +62,7 @@ void rms_norm_rows(const T* x, const T* weight, T* out, int64_t H, float eps, in
     const Vec inv(1.f / std::sqrt(sum / float(H) + eps));
     for (int64_t d = 0; d < H; d += VL) {
       const int64_t n = std::min(VL, H - d);
-      const Vec normed = round_to(load(row + d, n) * inv, row);
-      store(load(weight + d, n) * normed, out + r * H + d, n);
+      store(load(weight + d, n) * (load(row + d, n) * inv), out + r * H + d, n);
     }
   }
 }
