@@ -55,6 +55,15 @@ def braid_version() -> str:
     return f"{release}+{code.hexdigest()[:12]}"
 
 
+def code_version() -> str:
+    """braid's package version and a hash of all its code (Python and C++): compiled graphs,
+    which any of it may shape, are keyed by this."""
+    package = Path(__file__).parent
+    files = sorted(p for p in package.rglob("*") if p.suffix in (".py", ".cpp", ".h"))
+    code = hashlib.sha256(b"".join(p.read_bytes() for p in files))
+    return f"{braid_version()}+{code.hexdigest()[:12]}"
+
+
 def entry_key(source: str | Path, kind: str, variant: str = "") -> str:
     """Key of `source`'s `kind` entry: changes with the file, its header, braid's version."""
     path = Path(source).resolve()

@@ -19,9 +19,11 @@ from braid.config import default_model_path, load_model_config
 # user's ~/.cache): the first launch converts, later ones load, as on a user's machine.
 _CACHE_HOME = tempfile.mkdtemp(prefix="braid-test-cache-")
 os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
-# torch's build of braid's decode operators (`braid.layers.decode_kernel`, about 30 s) is
-# shared by every process of the session, also those a test gives a cache folder of its own.
-os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(_CACHE_HOME, "torch_extensions")
+# The build of braid's C++ operators (`braid.native`, one to two minutes) is shared by every
+# process of the session, also those a test gives a cache folder of its own; it is built once,
+# before the first test (whose rank processes would otherwise wait for it within their
+# timeouts). A folder set outside (a developer's warm build) is kept.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(_CACHE_HOME, "native"))
 atexit.register(shutil.rmtree, _CACHE_HOME, ignore_errors=True)
 
 # One thread per test process: rank processes pin their own cores, the reference shares them.
@@ -35,6 +37,12 @@ PROMPTS = [
     "the photoelectric effect; the second, Brownian motion; the third introduced special "
     "relativity; the fourth derived the most famous equation in science, which says that",
 ]
+
+
+def pytest_sessionstart(session) -> None:
+    from braid import native
+
+    native.load(announce=True)
 
 
 def slow(*values):

@@ -45,7 +45,7 @@ def test_results_equal_torch_distributed(world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_block_sums_written_into_the_slot_equal_torch_distributed(world_size):
+def test_block_sums_into_the_residual_equal_torch_distributed(world_size):
     group, _ = launch(world_size, rank_targets.shm_reduce_into_against_gloo, num_slots=4,
                       slot_bytes=4096)
     try:

@@ -6,11 +6,9 @@ time, where bytes is the tensor reduced (all-reduce) or the gathered output (all
 rank contributing bytes / tp), as nccl-tests count it.
 
 `block_sum` is what a decoder block pays for its all-reduce: the new residual, the sum over
-ranks plus the old residual. Through shm the block's GEMM has written its partial into the
-slot already (`all_reduce_into_async`; that write is the GEMM's own), so the collective is
-the wait and one summing pass; through torch it is an all-reduce, then the add. The tensors
-are rows of `BLOCK_ROW` elements, summed as the engine's ranks sum them by default
-(`--compile auto`: compiled from `fused._MIN_ROWS` rows, eager below).
+ranks plus the old residual (`wait_sum` with a residual). Through shm that is the copy into
+the slot, the wait and one summing pass into the residual; through torch an all-reduce, then
+the add. The tensors are rows of `BLOCK_ROW` elements.
 """
 
 from __future__ import annotations
@@ -72,11 +70,8 @@ def _measure(comm: Communicator, op: str, nbytes: int, dtype: torch.dtype) -> li
 
 def _block_sum(comm: Communicator, partial: torch.Tensor,
                residual: torch.Tensor) -> torch.Tensor:
-    """The residual plus the sum over ranks of `partial`, which the producer leaves in the
-    send buffer where the backend has one (the timing excludes writing it: a GEMM does)."""
-    handle = comm.all_reduce_into_async(partial.shape, partial.dtype,
-                                        lambda out: partial if out is None else out)
-    return handle.wait_add(residual)
+    """The residual plus the sum over ranks of `partial`."""
+    return comm.wait_sum(comm.all_reduce_async(partial), residual)
 
 
 def bench_comm_worker(rank: int, world_size: int, conn, backends: list[str], sizes: list[int],

@@ -105,7 +105,8 @@ def dp_linear_worker(rank: int, world_size: int, conn, hidden: int, out_sizes: l
         for tokens in token_counts:
             x = torch.randn(tokens, hidden).to(DTYPES[dtype])
             replicated = _median_seconds(lambda x=x: layer(x), repeat)
-            split = _median_seconds(lambda x=x: layer.forward_async(x).wait(), repeat)
+            split = _median_seconds(
+                lambda x=x: layer.wait(layer.forward_async(x), x.shape[0]), repeat)
             per_rank = comm.all_gather(torch.tensor([[replicated, split]], dtype=torch.float64))
             slowest = per_rank.max(dim=0).values.tolist()
             rows.append({"tokens": tokens, "replicated_s": slowest[0], "dp_linear_s": slowest[1],

@@ -34,10 +34,14 @@ from braid.distributed.launch import RankGroup
 
 @dataclass
 class BenchResult:
-    """Timings of one run: the prefill step and each decode step, in seconds."""
+    """Timings of one run: the prefill step and each decode step, in seconds; for braid, the
+    paths they took (`StepResult.path`: compiled graph, pieces or eager), so a figure never
+    silently comes from the slow path."""
 
     prefill_latency: float
     decode_latencies: list[float]
+    prefill_path: str = ""
+    decode_paths: tuple[str, ...] = ()
 
     def latencies(self) -> tuple[float, float]:
         """(prefill latency, median decode-step latency, 0 without decode steps)."""
@@ -54,6 +58,8 @@ class BenchResult:
             "median_decode_throughput": batch_size / median if median else 0.0,
             "total_latency": total,
             "overall_throughput": batch_size * (input_len + output_len) / total,
+            "prefill_path": self.prefill_path,
+            "decode_path": ",".join(sorted(set(self.decode_paths))),
         }
 
 
@@ -96,6 +102,7 @@ class BraidWorkload:
             max_num_batched_tokens=max(args.max_num_batched_tokens or 0, max_batch * max_input),
             max_running_requests=max_batch, prefix_caching=False)
         self.llm = LLM(**kwargs)
+        self.llm.core.compile_steps()  # a benchmark measures the steady state
 
     def run(self, prompts: np.ndarray, output_len: int, overlap: str | None = None,
             skip_comm: bool | None = None, dp_linear: str | None = None) -> BenchResult:
@@ -108,8 +115,15 @@ class BraidWorkload:
         params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
         for ids in prompts:
             self.llm.add_request(ids.tolist(), params)
-        result = time_steps(self.llm.step, self.llm.step, output_len)
+        paths = []
+
+        def step() -> None:
+            self.llm.step()
+            paths.append(self.llm.core.last_path)
+
+        result = time_steps(step, step, output_len)
         assert not self.llm.has_work
+        result.prefill_path, result.decode_paths = paths[0], tuple(paths[1:])
         return result
 
     def close(self) -> None:
@@ -176,15 +190,21 @@ def print_result(result: BenchResult, batch_size: int, input_len: int, output_le
     """Print SGLang's bench_one_batch lines for a run; return its JSONL fields."""
     row = result.row(batch_size, input_len, output_len)
     print(f"Prefill. latency: {row['prefill_latency']:6.5f} s, "
-          f"throughput: {row['prefill_throughput']:9.2f} token/s")
+          f"throughput: {row['prefill_throughput']:9.2f} token/s"
+          f"{_path(row['prefill_path'])}")
     for i, latency in enumerate(result.decode_latencies[:5]):
         print(f"Decode {i}. Batch size: {batch_size}, latency: {latency:6.5f} s, "
               f"throughput: {batch_size / latency:9.2f} token/s")
     print(f"Decode.  median latency: {row['median_decode_latency']:6.5f} s, "
-          f"median throughput: {row['median_decode_throughput']:9.2f} token/s")
+          f"median throughput: {row['median_decode_throughput']:9.2f} token/s"
+          f"{_path(row['decode_path'])}")
     print(f"Total. latency: {row['total_latency']:6.3f} s, "
           f"throughput: {row['overall_throughput']:9.2f} token/s")
     return row
+
+
+def _path(path: str) -> str:
+    return f" (steps: {path})" if path else ""
 
 
 def prepare(args: argparse.Namespace):

@@ -83,7 +83,8 @@ class StepPlan:
 @dataclass
 class StepResult:
     """Rank 0's answer to a step: the sampled token of each sampling row (None where sampling
-    failed; `errors` says why, by row), logprobs where asked, and the logits if asked."""
+    failed; `errors` says why, by row), logprobs where asked, the logits if asked, and the path
+    the step took (`STEP_PATHS`)."""
 
     step_id: int
     tokens: list[int | None] | None = None
@@ -91,6 +92,13 @@ class StepResult:
     logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     logits: torch.Tensor | None = None
+    path: str = "eager"
+
+
+# How a step ran (`StepResult.path`, reported by benchmarks and `/metrics`): the decode graph,
+# compiled pieces between eager attention calls, or eager; "+overlap" where two micro-batches
+# were interleaved.
+STEP_PATHS = ("graph", "pieces", "eager", "pieces+overlap", "eager+overlap")
 
 
 DECODE_MIN_BLOCKS = 2  # the narrowest decode block table (see build_attention_metadata)

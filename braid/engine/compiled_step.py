@@ -1,108 +1,105 @@
-"""The decode step as one compiled graph (`--compile on`, one rank, CPU).
+"""Compiled steps: the operation list run as inductor-compiled code, at any tp, with or without
+two-batch overlap (`--compile`, CPU).
 
-A decode step of a small model is mostly dispatch: at batch 1 SmolLM2-135M runs about 1,500
-operators per token, and outside the weight GEMVs (15 ms, the memory floor) the eager step
-spends about 12 ms calling them. `torch.compile` of the whole operation list, with inductor's
-freezing (weights become constants, laid out for their GEMMs once), its C++ wrapper (the
-kernels are called from C++, not Python) and max-autotune (each GEMM timed against
-inductor's C++ templates, except for bf16 weights on CPUs without AMX: `inductor_config`),
-fuses the elementwise work between GEMMs, drops the dispatch and reads int8 weights at
-bandwidth. Measured on the 2-core AVX-512 host, per step in process:
-bf16 batch 1 went from 27.5 to 15.0 ms and batch 32 from 59 to 46 ms; int8 batch 1 from 21.6
-to 11.6 ms and batch 32 to 43 ms.
+A step of a small model is mostly dispatch: at batch 1 SmolLM2-135M runs about 1,500 operators
+per token, and outside the weight GEMVs the eager step spends most of its time calling them.
+Compiled, the elementwise work between GEMMs is fused and the kernels are called from
+generated code. Collectives are operators like any other (`braid.distributed.comm`), so a
+graph holds the whole layer stack at tp 1, 2 or 3. Two kinds of compiled code:
 
-Decode attention in the graph is `decode_kernel`'s C++ operator (`use_decode_kernels`), or
-`traced_decode_attention` where it does not fit or cannot be built: reductions that read the
-keys through the block table, which inductor fuses (no gathered copy of the keys). The traced
-kernel took the step from 15.0 to 12.1 ms at batch 1 (inductor's lowering of the gathers and
-SDPA cost about 80 us a layer there); the operator took batch 32 (context 128-168, 2-core
-Zen 5) from 36-39 to 31-32 ms a step, attention from 37% of it to 21%. The KV cache is laid
-out for both (`PagedAttention.allocate_cache`, tokens innermost in each block), so a score is
-summed as vector FMAs over a block's 16 tokens.
+- **The decode graph** (`CompiledDecodeStep`): a decode step (one new token per sequence, no
+  overlap) as one graph of the whole operation list, called from inductor's C++ wrapper
+  without dynamo's guards, one graph for one sequence (inductor specialises size 1, where
+  the linear layers run `decode_kernel`'s GEMV) and one for several (batch and block-table
+  width symbolic). Decode attention is `decode_kernel`'s operator over the paged cache.
+- **Pieces** (`CompiledPieces`): every other step (prompts, chunks, mixed steps, two-batch
+  overlap) runs its operation list with each run of operations between two attention calls
+  (`between_pieces`) compiled, token counts symbolic. Weights are graph inputs, so the graph
+  of a piece serves every layer (regional compilation: the runs of a 30-layer model are 3
+  graphs, 5 under overlap, whose stages end at the yields); attention, which reads the step's
+  per-sequence metadata, runs eager between them.
 
-On CPUs with AVX512-BF16 the graph for one sequence runs its GEMMs through `decode_kernel`'s
-GEMV operator (`use_decode_kernels`), which streams a layer's row-major weight, bf16 or int8,
-faster than oneDNN or inductor's templates: SmolLM2's 270 MB of bf16 weights at about 44 GB/s
-(6.1 ms of an 8.2-8.6 ms step, 2-core Zen 5); in process, steps of 9.1-9.5 ms against
-10.2-11.5 ms with oneDNN's GEMMs, measured one after the other.
-
-What stays out of the graph: prompt steps (already GEMM-bound), mixed steps, two-batch overlap
-and tensor parallelism (the collectives are not traceable), and models whose attention is not
-`PagedAttention` (MLA). Those steps run eager, on the row-major weights the model then keeps.
-
-Shapes are dynamic (batch size and context width are symbols), so one graph serves every
-batch of two or more sequences and one serves a single sequence (inductor specialises size
-1). Both are compiled at start-up, announced: 2.5-3 minutes on that host, under a minute when
-inductor's cache (`/tmp/torchinductor_$USER`) already holds them.
+Neither freezes the weights into the graph: the decode graph is saved by dynamo's AOT compile
+(`torch.compile(...).aot_compile`), which cannot save frozen graphs, under braid's cache
+(`compiled/`, keyed by braid's code, torch, the model file, the rank and what shapes the graph;
+inductor's own cache of the kernels lies beside it, `inductor/`), so a warm start loads the
+graphs in seconds and compiles nothing. Packed oneDNN weights reach graphs by name
+(`quant.packed_linear`). Measured figures: docs/benchmarks.md, "Compiled steps at every tp".
 """
 
 from __future__ import annotations
 
-import sys
+import hashlib
+import json
+import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from types import CodeType, FunctionType
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
-import torch._dynamo.convert_frame
 import torch._inductor.config
 from torch import nn
 
+from braid.cache import cache_root, code_version
 from braid.config import EngineConfig, cpu_flags
 from braid.engine.batch import DECODE_MIN_BLOCKS, ForwardBatch, StepPlan
 from braid.layers import decode_kernel
 from braid.layers.attention import PagedAttention
-from braid.layers.quant import INT8_GRAPH_AT_BATCH, Quantizable
-from braid.overlap.operations import execute
+from braid.layers.quant import Quantizable
+from braid.overlap.operations import YIELD, execute, is_between_pieces, split_stages
 
-# freezing: parameters become constants, so weights are laid out for their GEMM once, at
-# compile time; cpp_wrapper: the graph's kernels are called from generated C++; max_autotune:
-# each GEMM is timed against inductor's own C++ GEMM templates at warm-up, which won at decode
-# shapes (the 121 GEMMs of a SmolLM2 token, 2 cores, AVX-512: bf16 10.4 against 13.2 ms at
-# one row and 13.7 against 16.6 at 32; int8 weights 6.8 against 11.2 ms at one row, where the
-# template reads them at bandwidth and `_weight_int8pack_mm` does not). (Given as
-# `torch.compile(options=...)` the settings did not take effect: 33 ms per step instead of 20.)
-# assert_indirect_indexing off: no bounds check per indexed load (token ids are checked when a
-# request is added; slots and block tables are the engine's own), 8-12% of decode attention.
-_INDUCTOR_CONFIG = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
-                    "max_autotune_gemm_backends": "CPP,ATEN", "assert_indirect_indexing": False}
-# Except for bf16 weights on a CPU without AMX: there the templates convert each bf16 weight to
-# fp32 and stream it at about 16 GB/s, where oneDNN reads 24-38 GB/s, yet autotuning on warm
-# caches still picks them. oneDNN alone: bs 1 decode 1.11x, bs 32 the same (2-core Zen 4).
-# A graph whose GEMMs read int8 weights keeps the templates (under oneDNN alone int8 / bf16
-# at bs 1 fell from 1.94x to 1.32-1.37x there).
-_DENSE_BF16_WITHOUT_AMX = {"max_autotune_gemm_backends": "ATEN"}
-# The rows the graph for two or more sequences is tuned at (the templates are timed at the
-# warm-up's size): a typical decode batch. Tuned at 2 rows, batch 32 ran 48 ms per step with
-# bf16 weights and 77 with int8, against 46 and 43 tuned at 16.
+# cpp_wrapper: the decode graph's kernels are called from generated C++, not Python (at batch 1
+# the Python wrapper's calls cost more than the kernels they run). assert_indirect_indexing
+# off: no bounds check per indexed load (token ids are checked when a request is added; slots
+# and block tables are the engine's own), 8-12% of decode attention.
+_DECODE_INDUCTOR = {"cpp_wrapper": True, "assert_indirect_indexing": False}
+# Pieces keep the Python wrapper: a piece runs a few dozen kernels of a large step, and the C++
+# wrapper's compile took longer than its calls could save.
+_PIECE_INDUCTOR = {"assert_indirect_indexing": False}
+# Floats a step reads (the norms' epsilon) are constants of the graph, not inputs made into
+# tensors on every call. Nothing a step varies is a float: sampling runs outside the graph.
+# Regional compilation keeps one entry per piece kind and row-count class per code object:
+# more than dynamo's default of 8.
+_DYNAMO = {"specialize_float": True, "recompile_limit": 64, "accumulated_recompile_limit": 512}
+# The rows the graph for several sequences is traced at: a typical decode batch.
 WARM_UP_ROWS = 16
-# Floats the step reads (the norms' epsilon) are constants of the graph, not inputs made into
-# tensors on every call (0.6 ms of a batch-1 step's Python before the graph ran, profiled).
-# Nothing a step varies is a float: sampling runs outside the graph.
-_DYNAMO_CONFIG = {"specialize_float": True}
 
 
-def inductor_config(model: nn.Module, one_sequence: bool) -> dict:
-    """The inductor settings `model`'s decode graph for one sequence, or for several, is
-    compiled under: by what its GEMMs read (int8 weights where `int8_applies` in that graph)."""
-    has_int8 = any(isinstance(layer, Quantizable) and layer.int8 is not None
-                   for layer in model.modules())
-    reads_int8 = has_int8 and (one_sequence or INT8_GRAPH_AT_BATCH)
-    dtype = next(model.parameters()).dtype
-    if dtype == torch.bfloat16 and not reads_int8 and "amx_bf16" not in cpu_flags():
-        return {**_INDUCTOR_CONFIG, **_DENSE_BF16_WITHOUT_AMX}
-    return _INDUCTOR_CONFIG
+@dataclass(frozen=True)
+class CompileStatus:
+    """A rank's answer to "ready": why its steps cannot be compiled (None: they can), and
+    whether its decode graphs are saved (a warm start loads them in seconds)."""
+
+    not_compiled: str | None
+    cached: bool
+
+
+# `--compile auto` compiles for a job of at least this many tokens to generate (`generate`,
+# `LLM.generate`), by whether the graphs are saved: loading them and compiling the pieces took
+# about 10 s, which compiled decode steps save back within a few hundred tokens; compiling
+# cold took minutes (figures: docs/benchmarks.md, "Compiled steps at every tp").
+AUTO_COMPILE_MIN_TOKENS = {True: 512, False: 16384}
+
+
+def auto_compile_pays(job_tokens: int, cached: bool) -> bool:
+    """Whether `--compile auto` compiles for a job of `job_tokens` tokens to generate."""
+    return job_tokens >= AUTO_COMPILE_MIN_TOKENS[cached]
+
+
+def configure_caches() -> None:
+    """Keep inductor's compiled kernels under braid's cache (beside the saved graphs that name
+    them) unless the user chose a folder; a rank process calls this before compiling."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
 
 
 def use_decode_kernels(model: nn.Module, gemv: bool = True) -> None:
     """`decode_kernel`'s operators wherever they fit, if they build: decode attention in every
     attention layer, prefill attention where `decode_kernel.prefill_fits` (bf16, AVX512-BF16)
-    and, with `gemv` (the compiled step, whose graph reads row-major weights), the GEMV in
-    every linear layer (the LM head included) for the weight its one-row product reads, int8
-    or dense."""
+    and, with `gemv` (compiled graphs), the GEMV in every linear layer (the LM head included)
+    for the weight its one-row product reads, int8 or dense."""
     dtype = next(model.parameters()).dtype
     attention = [attn for attn in model.attention_layers()
                  if decode_kernel.attention_fits(attn.padded_heads, attn.k_cache, dtype)]
@@ -120,12 +117,11 @@ def use_decode_kernels(model: nn.Module, gemv: bool = True) -> None:
 
 
 def eager_decode_reads_kernel(engine: EngineConfig, model: nn.Module) -> bool:
-    """Whether eager decode steps (every decode step but the compiled step's) read the KV
-    cache through `decode_kernel`'s operator, laid out as the compiled step lays it out: on
-    CPU, where every attention layer is a `PagedAttention` whose shapes the operator takes (a
-    rank's unequal query groups padded to one grouped call), and the operator builds. Against
-    gathering the blocks for SDPA (2-core Xeon with AMX, bf16, `ratio_bench.py` best of 2):
-    decode bs 32 1.38x, bs 1 1.04x, prefill 8 x 512 1.04x (the layout's writes). An int8
+    """Whether decode steps read the KV cache through `decode_kernel`'s operator, laid out for
+    it: on CPU, where every attention layer is a `PagedAttention` whose shapes the operator
+    takes (a rank's unequal query groups padded to one grouped call), and the operator builds.
+    Against gathering the blocks for SDPA (2-core Xeon with AMX, bf16, `ratio_bench.py` best of
+    2): decode bs 32 1.38x, bs 1 1.04x, prefill 8 x 512 1.04x (the layout's writes). An int8
     cache, whose gathered blocks SDPA needs dequantized, ran 0.65-0.69x the bf16 cache's speed
     at bs 32 gathered, 1.08x through the operator."""
     if engine.device != "cpu":
@@ -139,41 +135,46 @@ def eager_decode_reads_kernel(engine: EngineConfig, model: nn.Module) -> bool:
     return decode_kernel.load()
 
 
-def step_compile_applies(mode: str, device: str, world_size: int, model: nn.Module) -> bool:
-    """Whether decode steps are compiled: `--compile on`, on CPU, one rank, and a model whose
-    attention layers are all `PagedAttention`."""
-    return (mode == "on" and device == "cpu" and world_size == 1
-            and all(isinstance(a, PagedAttention) for a in model.attention_layers()))
+def compile_applies(device: str, model: nn.Module) -> str | None:
+    """None where compiled steps can run this model here, else why not: on CPU (CUDA steps run
+    eager), with every attention layer a `PagedAttention` (DeepSeek's MLA and MoE stay eager:
+    its experts' token routing gives data-dependent shapes, which graphs do not hold)."""
+    if device != "cpu":
+        return "compiled steps are built for CPU ranks"
+    if not all(isinstance(a, PagedAttention) for a in model.attention_layers()):
+        return f"{type(model).__name__}'s attention is not compiled"
+    return None
+
+
+def mark_static(model: nn.Module) -> None:
+    """The sizes of the model's tensors that are not parameters (KV caches, int8 weights,
+    rotary tables) are fixed: as symbols they took part in duck sizing (a step's block-table
+    width or batch equal to a cache size was unified with it, then pinned, and the next step
+    recompiled), and freezing lost track of them."""
+    for module in model.modules():
+        for value in vars(module).values():
+            for tensor in _tensors(value):
+                torch._dynamo.mark_static(tensor)
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if hasattr(value, "__dataclass_fields__"):  # Int8Weight
+        return [t for v in vars(value).values() for t in _tensors(v)]
+    return []
 
 
 class CompiledDecodeStep:
-    """`execute(operations, batch)` compiled, for the steps `handles` accepts."""
+    """`execute(operations, batch)` of a decode step as one saved, reloadable graph per shape
+    class (one sequence, several), for the steps `handles` accepts."""
 
-    def __init__(self, model: nn.Module, operations: Sequence, announce: bool) -> None:
-        self.operations = operations
-        # Tensors the graph reads that are not parameters (int8 weights) would get symbolic
-        # sizes under dynamic=True, which freezing then loses track of (inductor's C++ named
-        # an undefined size).
-        for layer in model.modules():
-            if isinstance(layer, Quantizable) and layer.int8 is not None:
-                torch._dynamo.mark_static(layer.int8.values)
-                torch._dynamo.mark_static(layer.int8.scales)
-        # The KV caches' sizes are fixed too. As symbols they took part in duck sizing: a
-        # step's block-table width or batch equal to a cache size (2 KV heads, 16 tokens per
-        # block) was unified with it and then pinned, and the next step recompiled.
-        for attn in model.attention_layers():
-            for cache in attn.cache_tensors():
-                torch._dynamo.mark_static(cache)
-        use_decode_kernels(model)
-        self.announce = announce
-        self._inductor_configs = {one: inductor_config(model, one) for one in (True, False)}
-        self._forward = torch.compile(self._logits, dynamic=True)
-        # Once warmed up, the code dynamo generated for each shape class (one sequence or
-        # several), called without dynamo (see `__call__`)
-        self._graphs: dict[bool, Callable] = {}
-
-    def _logits(self, batch: ForwardBatch) -> torch.Tensor:
-        return execute(self.operations, batch)["logits"]
+    def __init__(self, model: nn.Module, cache_key: str) -> None:
+        self.model = model
+        self.cache_key = cache_key
+        self._graphs: dict[bool, Callable] = {}  # one sequence? -> compiled function
 
     @staticmethod
     def handles(batch: ForwardBatch) -> bool:
@@ -183,82 +184,186 @@ class CompiledDecodeStep:
                 and batch.logits_index is None)
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
-        # After warm-up a step runs the code dynamo generated for its shape class, without
-        # dynamo: its guards (about 5,800 for SmolLM2, on the model's objects and the batch's
-        # shapes) hold by construction, since the model is fixed by then and `handles` and
-        # the batch layout (`DECODE_MIN_BLOCKS`) keep every step within what was traced
-        # (inductor's wrapper still checks each input's sizes). Even checking only the guards
-        # that tell the two graphs apart (dynamo's `skip_guard_eval_unsafe` stance) cost
-        # about 1 ms of a 12-13 ms int8 step at batch 1. vLLM calls its graphs the same way.
-        one_sequence = batch.num_tokens == 1
-        graph = self._graphs.get(one_sequence)
-        if graph is not None:
-            return graph(self, batch)
-        with (torch._inductor.config.patch(self._inductor_configs[one_sequence]),
-              torch._dynamo.config.patch(_DYNAMO_CONFIG)):  # in force if a shape recompiles
-            return self._forward(batch)
+        return self._graphs[batch.num_tokens == 1](self.model, batch)
 
-    def warm_up(self, batches: Sequence[ForwardBatch]) -> bool:
-        """Compile now, on steps of each shape class; False (with a warning) if the compiler
-        failed, and then decode steps run eager."""
-        if self.announce:
-            print("braid: compiling the decode step (--compile on: torch.compile with "
-                  "freezing and max-autotune, a few minutes; under one when inductor's "
-                  "cache holds it)", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        try:
-            for batch in batches:
-                with dynamo_bytecode() as generated:
-                    self(batch)
-                graph = generated_function(generated, CompiledDecodeStep._logits)
-                if graph is not None:
-                    self._graphs[batch.num_tokens == 1] = graph
-        except Exception as e:  # noqa: BLE001 - any compiler failure means: run eager
-            warnings.warn(f"--compile on: compiling the decode step failed "
-                          f"({type(e).__name__}: {str(e)[:300]}); decode steps run eager",
-                          stacklevel=2)
-            return False
-        if self.announce:
-            print(f"braid: decode step compiled in {time.perf_counter() - start:.0f} s",
-                  file=sys.stderr, flush=True)
-        return True
+    @property
+    def ready(self) -> bool:
+        return len(self._graphs) == 2
+
+    def prepare(self, batches: dict[bool, ForwardBatch]) -> tuple[int, int]:
+        """Load each shape class's graph from the cache, or compile and save it, tracing the
+        given example step (never run); (loaded, compiled) counts."""
+        loaded = compiled = 0
+        for one_sequence, batch in batches.items():
+            path = self._path(one_sequence)
+            graph = _load(path, self.model)
+            if graph is None:
+                graph = _aot_compile(_decode_logits, (self.model, batch), _DECODE_INDUCTOR)
+                _save(graph, path, self.model)
+                compiled += 1
+            else:
+                loaded += 1
+            self._graphs[one_sequence] = graph
+        return loaded, compiled
+
+    def _path(self, one_sequence: bool) -> Path:
+        return cache_root() / "compiled" / self.cache_key / (
+            "decode-one.bin" if one_sequence else "decode-several.bin")
+
+    def cached(self) -> bool:
+        """Whether both graphs are in the cache (a warm start loads them in seconds)."""
+        return all(self._path(one).is_file() for one in (True, False))
 
 
-@contextmanager
-def dynamo_bytecode() -> Iterator[list[tuple[CodeType, CodeType]]]:
-    """(original, generated) code objects of the frames dynamo compiles inside the block."""
-    generated: list[tuple[CodeType, CodeType]] = []
-    handle = torch._dynamo.convert_frame.register_bytecode_hook(
-        lambda original, new: generated.append((original, new)))
+def _decode_logits(model: nn.Module, batch: ForwardBatch) -> torch.Tensor:
+    """The function the decode graph is compiled from (dynamo's AOT compile saves it by its
+    code, so it is a module-level function of its inputs only)."""
+    return execute(model.operations(), batch)["logits"]
+
+
+def _aot_compile(function: Callable, example: tuple, inductor: dict) -> Callable:
+    """`function` compiled for inputs like `example`, never run. Without guards: the graph is
+    called only for steps of its shape class (`CompiledDecodeStep.handles`) of the model it was
+    traced on, and a guard on the model's objects could not be saved (the shm communicator
+    holds its mapping)."""
+    with torch._inductor.config.patch(inductor), torch._dynamo.config.patch(_DYNAMO):
+        compiler = torch.compile(function, fullgraph=True, dynamic=True,
+                                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+        return compiler.aot_compile((example, {}))
+
+
+def _save(graph, path: Path, model: nn.Module) -> None:
+    """Written to a temporary name and renamed: concurrent ranks and launches never read half a
+    file (a graph that cannot be written is only not cached)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        yield generated
-    finally:
-        handle.remove()
+        graph.save_compiled_function(str(tmp), external_data={"model": model})
+        os.replace(tmp, path)
+    except OSError as e:
+        warnings.warn(f"cannot save a compiled graph under {path.parent} ({e})", stacklevel=3)
+        tmp.unlink(missing_ok=True)
 
 
-def generated_function(generated: list[tuple[CodeType, CodeType]],
-                       function: Callable) -> Callable | None:
-    """`function` as the code dynamo generated for it (it calls the compiled graph, from
-    `function`'s module globals, where dynamo put it): None unless exactly one was generated."""
-    codes = [new for original, new in generated if original is function.__code__]
-    if len(codes) != 1 or codes[0].co_freevars:
+def _load(path: Path, model: nn.Module) -> Callable | None:
+    """The saved graph, or None (missing; damaged or from another torch: removed, recompiled)."""
+    if not path.is_file():
         return None
-    return FunctionType(codes[0], function.__globals__, function.__name__)
+    try:
+        with open(path, "rb") as f:
+            return torch.compiler.load_compiled_function(f, external_data={"model": model})
+    except Exception as e:  # noqa: BLE001 - any damage to a saved graph means: compile it again
+        warnings.warn(f"compiled graph {path} is unusable ({type(e).__name__}: "
+                      f"{str(e)[:200]}); compiling it again", stacklevel=3)
+        path.unlink(missing_ok=True)
+        return None
 
 
-def warm_up_plans(block_size: int) -> list[StepPlan]:
-    """Decode steps of each batch size class (one sequence; `WARM_UP_ROWS`, standing for
-    several), each attending to two blocks' worth of keys (`DECODE_MIN_BLOCKS`: no decode step
-    is narrower) and writing them into block 0 only (sequences may share a slot there)."""
-    plans = []
+class CompiledPieces:
+    """The operation list with each run of operations between `between_pieces` ones replaced by
+    one compiled call: `plain` ignores the yields (a step run straight), `staged` keeps them
+    (two-batch overlap, whose stages end there). A run's graph is keyed by its operations'
+    functions, so the runs of every layer share one (their modules are its inputs)."""
+
+    def __init__(self, operations: Sequence) -> None:
+        self._runners: dict[tuple, Callable] = {}
+        self.plain = self._with_pieces([[op for op in operations if op is not YIELD]])
+        self.staged = self._with_pieces(split_stages(operations), yields=True)
+
+    def _with_pieces(self, stages: list[list], yields: bool = False) -> list:
+        ops: list = []
+        for stage in stages:
+            run: list = []
+            for op in [*stage, None]:
+                if op is None or is_between_pieces(op):
+                    if run:
+                        ops.append(self._piece(run))
+                    run = []
+                    if op is not None:
+                        ops.append(op)
+                else:
+                    run.append(op)
+            if yields:
+                ops.append(YIELD)
+        return ops
+
+    def _piece(self, run: list) -> Callable:
+        functions = tuple(op.__func__ for op in run)
+        modules = tuple(op.__self__ for op in run)
+        runner = self._runners.get(functions)
+        if runner is None:
+            runner = self._runners[functions] = torch.compile(_piece_runner(functions),
+                                                              dynamic=True)
+
+        def piece(state, batch) -> None:
+            with (torch._inductor.config.patch(_PIECE_INDUCTOR),
+                  torch._dynamo.config.patch(_DYNAMO)):
+                runner(modules, state, batch)
+
+        piece.__name__ = "+".join(f.__name__ for f in functions)
+        return piece
+
+    @property
+    def graphs(self) -> int:
+        """Distinct pieces (each one graph, more where token counts cross a GEMM's limit)."""
+        return len(self._runners)
+
+
+def _piece_runner(functions: tuple[Callable, ...]) -> Callable:
+    def run(modules: tuple, state, batch) -> None:
+        for function, module in zip(functions, modules):
+            function(module, state, batch)
+    return run
+
+
+def warm_up_plans(block_size: int) -> dict[bool, StepPlan]:
+    """Decode steps of each shape class (one sequence; `WARM_UP_ROWS`, standing for several),
+    each attending to two blocks' worth of keys (`DECODE_MIN_BLOCKS`: no decode step is
+    narrower) and writing them into block 0 only (never handed out; sequences may share a
+    slot there)."""
+    plans = {}
     for batch in (1, WARM_UP_ROWS):
         kv_len = block_size + 1
-        plans.append(StepPlan(
+        plans[batch == 1] = StepPlan(
             input_ids=np.zeros(batch, dtype=np.int64),
             positions=np.full(batch, kv_len - 1, dtype=np.int64),
             slot_mapping=np.arange(batch, dtype=np.int64) % block_size,
             q_lens=np.ones(batch, dtype=np.int64),
             kv_lens=np.full(batch, kv_len, dtype=np.int64),
             block_tables=np.zeros((batch, DECODE_MIN_BLOCKS), dtype=np.int64),
-            logit_rows=np.arange(batch, dtype=np.int64)))
+            logit_rows=np.arange(batch, dtype=np.int64))
     return plans
+
+
+def piece_warm_up_plans(block_size: int, tokens: Sequence[int]) -> list[StepPlan]:
+    """Prompt steps of `tokens` each (one prompt each, writing block 0 only, its slots shared),
+    whose pieces compile every graph a step of that many rows reads (a GEMM's packed weights
+    apply up to `quant.PACKED_MAX_ROWS` rows); the last token's logits only."""
+    return [StepPlan(input_ids=np.zeros(n, dtype=np.int64), positions=np.arange(n),
+                     slot_mapping=np.arange(n, dtype=np.int64) % block_size,
+                     q_lens=np.array([n]), kv_lens=np.array([n]),
+                     block_tables=np.zeros((1, -(-n // block_size)), dtype=np.int64),
+                     logit_rows=np.array([n - 1]))
+            for n in tokens]
+
+
+def graph_cache_key(engine: EngineConfig, model_path: str, rank: int, world_size: int,
+                    packed: bool) -> str:
+    """What a saved graph depends on beyond its code: braid's code, torch, the host's ISA, the
+    model file, the rank's place and every engine setting that shapes the graph."""
+    source = Path(model_path).resolve()
+    stat = source.stat()
+    identity = {
+        "braid": code_version(), "torch": torch.__version__,
+        "isa": torch.backends.cpu.get_cpu_capability(),
+        "flags": sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16"))),
+        "model": [str(source), stat.st_size, stat.st_mtime_ns],
+        "rank": rank, "world_size": world_size, "comm": engine.comm, "dtype": engine.dtype,
+        "kv_cache_dtype": engine.kv_cache_dtype, "quantization": engine.quantization,
+        "block_size": engine.block_size, "packed": packed,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def elapsed(start: float) -> str:
+    return f"{time.perf_counter() - start:.0f} s"

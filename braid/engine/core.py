@@ -9,6 +9,7 @@ detokenizing and stop strings belong to the front ends.
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from dataclasses import dataclass, replace
 from itertools import count
 from pathlib import Path
@@ -16,10 +17,12 @@ from typing import Protocol
 
 import torch
 
+from braid import native
 from braid.config import EngineConfig, ModelConfig, UserError, auto_switch
 from braid.distributed.launch import check_not_bootstrapping, launch_ranks
 from braid.distributed.shm import ShmSegment, activation_slot_bytes
 from braid.engine.batch import StepPlan, StepResult
+from braid.engine.compiled_step import CompileStatus, auto_compile_pays, configure_caches
 from braid.engine.kv_cache import BlockManager
 from braid.engine.plan import build_plan
 from braid.engine.request import Request, SamplingParams, Sequence, SequenceDelta
@@ -36,7 +39,13 @@ class EngineError(RuntimeError):
 class Executor(Protocol):
     """Runs step plans on the model: the rank processes, or a runner in this process."""
 
+    compile_status: CompileStatus
+
     def step(self, plan: StepPlan) -> StepResult: ...
+
+    def prepare_compiled(self) -> str:
+        """Compile or load the compiled steps on every rank (`ModelRunner.prepare_compiled`);
+        what was done, in a line."""
 
     def check_alive(self) -> None:
         """Raise if the model can no longer run (a rank died while the engine was idle)."""
@@ -61,6 +70,9 @@ class RankExecutor:
             print(f"tp {config.tp} split: {split}", file=sys.stderr)
         if config.cache and Path(config.model).is_file():
             prepare_gguf_weights(config.model, model_config, config.torch_dtype)
+        if config.device == "cpu":
+            native.load(announce=True)  # built once, here, so that no rank waits on the build
+            configure_caches()  # the ranks inherit where inductor keeps its kernels
         segment = None
         if config.comm == "shm" and config.tp > 1:
             segment = ShmSegment.create(config.tp, slot_bytes=activation_slot_bytes(
@@ -75,14 +87,18 @@ class RankExecutor:
             raise
 
     def wait_ready(self) -> None:
+        """Wait until every rank has loaded its shard; rank 0's `compile_status` is kept."""
         try:
-            self.ranks.gather()
+            self.compile_status = self.ranks.gather()[0]
         except BaseException:
             self.ranks.close()
             raise
 
     def step(self, plan: StepPlan) -> StepResult:
         return self.ranks.request(("step", plan))
+
+    def prepare_compiled(self) -> str:
+        return self.ranks.request(("compile", None))
 
     def check_alive(self) -> None:
         self.ranks.check_alive()
@@ -115,6 +131,7 @@ class EngineStats:
     num_steps: int
     num_steps_overlap: int
     num_steps_dp_linear: int
+    steps_by_path: dict[str, int]  # `StepResult.path` -> steps that took it
 
 
 def check_request(prompt_ids: list[int], params: SamplingParams, model_config: ModelConfig,
@@ -164,6 +181,32 @@ class EngineCore:
         self._seq_ids = count()
         self._step_ids = count(1)
         self.num_steps = self.num_steps_overlap = self.num_steps_dp_linear = 0
+        self.steps_by_path: Counter[str] = Counter()
+        self.last_path = ""  # the path the latest step took (`StepResult.path`)
+        self.compiled = False
+
+    def compile_steps(self, job_tokens: int | None = None) -> None:
+        """Compile (or load saved) steps where `--compile` asks for them: `on` at once, `auto`
+        for a server or benchmark (`job_tokens` None) and for a job whose tokens to generate
+        repay it (`auto_compile_pays`); prints what it does. Once per engine."""
+        status, mode = self.executor.compile_status, self.config.compile
+        if self.compiled or mode == "off":
+            return
+        if status.not_compiled is not None:
+            if mode == "on":
+                print(f"braid: --compile on: steps run eager ({status.not_compiled})",
+                      file=sys.stderr, flush=True)
+            self.compiled = True  # nothing to do, ever
+            return
+        if mode == "auto" and job_tokens is not None and not auto_compile_pays(job_tokens,
+                                                                              status.cached):
+            return
+        what = ("loading the saved graphs" if status.cached else
+                "compiling the decode graphs and pieces: a few minutes, once; saved for later "
+                "starts")
+        print(f"braid: compiled steps: {what}", file=sys.stderr, flush=True)
+        print(f"braid: {self.executor.prepare_compiled()}", file=sys.stderr, flush=True)
+        self.compiled = True
 
     @property
     def has_work(self) -> bool:
@@ -229,13 +272,16 @@ class EngineCore:
         self.num_steps += 1
         self.num_steps_overlap += plan.overlap
         self.num_steps_dp_linear += plan.dp_linear
+        self.steps_by_path[result.path] += 1
+        self.last_path = result.path
         return result
 
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting), self.blocks.usage, s.prefix_queries,
                            s.prefix_hits, s.num_preemptions, self.num_steps,
-                           self.num_steps_overlap, self.num_steps_dp_linear)
+                           self.num_steps_overlap, self.num_steps_dp_linear,
+                           dict(self.steps_by_path))
 
     def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """fp32 logits at every position of each prompt (one batched prefill, outside the

@@ -37,7 +37,9 @@ def eos_token_ids(model_config: ModelConfig, tokenizer) -> frozenset[int]:
 class LLM:
     """A model served by `tp` rank processes; the calling process schedules and tokenizes.
 
-    `dtype="auto"` picks bf16 where the hardware computes it natively, else fp32.
+    `dtype="auto"` picks bf16 where the hardware computes it natively, else fp32. With
+    `compile="auto"` (the default) steps are compiled once a `generate` call's job is long
+    enough to repay it (`compile="on"`: at start; `"off"`: never).
     Keyword arguments beyond `model`, `tp` and `dtype` are `EngineConfig` fields
     (`max_total_tokens`, `max_num_batched_tokens`, `prefix_caching`, `comm`, ...). Use as a
     context manager or call `close()`.
@@ -57,6 +59,8 @@ class LLM:
             executor.close()
             raise
         self.core = EngineCore(self.config, self.model_config, executor)
+        if self.config.compile == "on":
+            self.core.compile_steps()
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self._ids = count()
 
@@ -110,6 +114,7 @@ class LLM:
         encoded = [self.encode(p, chat) if isinstance(p, str) else list(p) for p in prompts]
         for ids, p in zip(encoded, params_list):
             self.core.check_request(ids, p)
+        self.core.compile_steps(sum(p.max_new_tokens * p.n for p in params_list))
         states: dict[str, list[CompletionState]] = {}
         outputs: dict[str, RequestOutput] = {}
         order = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -11,19 +12,30 @@ from braid.distributed.comm import SwitchableCommunicator
 from braid.engine.batch import ForwardBatch, StepPlan, StepResult
 from braid.engine.compiled_step import (
     CompiledDecodeStep,
+    CompiledPieces,
+    CompileStatus,
+    compile_applies,
     eager_decode_reads_kernel,
-    step_compile_applies,
+    elapsed,
+    graph_cache_key,
+    mark_static,
+    piece_warm_up_plans,
     use_decode_kernels,
     warm_up_plans,
 )
 from braid.engine.kv_cache import num_kv_blocks
 from braid.engine.sampler import postprocess
 from braid.layers.fused import configure_compile
-from braid.layers.quant import pack_linear_layers, quantize_linear_layers
+from braid.layers.quant import PACKED_MAX_ROWS, pack_linear_layers, quantize_linear_layers
 from braid.loader.weights import load_weights, with_progress
 from braid.models.registry import model_class
 from braid.overlap.operations import execute, execute_overlapped
 from braid.overlap.split import split_step
+from braid.overlap.trace import tracer
+
+# How long a collective may wait while the ranks compile the pieces of a warm-up step (each
+# rank compiles a piece as it first reaches it, one possibly well before the other)
+COMPILE_COMM_TIMEOUT_S = 1800.0
 
 
 def checkpoint_weights(model_path: str, config: ModelConfig, dtype: torch.dtype | None = None):
@@ -53,7 +65,7 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 class ModelRunner:
-    """One rank's model shard and KV cache."""
+    """One rank's model shard and KV cache, and its compiled steps (`prepare_compiled`)."""
 
     def __init__(self, engine: EngineConfig, config: ModelConfig,
                  comm: SwitchableCommunicator) -> None:
@@ -74,35 +86,61 @@ class ModelRunner:
         if engine.quantization == "int8":
             quantize_linear_layers(self.model)
         self.model.to(self.device).eval()
-        compile_step = step_compile_applies(engine.compile, engine.device, comm.world_size,
-                                            self.model)
-        # A compiled step packs its own copies of the weights (inductor's freezing reads
-        # row-major ones), so the model keeps them row-major.
-        if engine.weight_packing and not compile_step:
-            pack_linear_layers(self.model)
+        self._packed = engine.weight_packing and pack_linear_layers(self.model)
         configure_compile(engine.compile, engine.device, announce=comm.rank == 0)
         self.operations = self.model.operations()
-        eager_kernel = not compile_step and eager_decode_reads_kernel(engine, self.model)
-        self._allocate_kv_cache(tokens_innermost=compile_step or eager_kernel)
-        if eager_kernel:
-            use_decode_kernels(self.model, gemv=False)
-        self.compiled_step = None
-        if compile_step:
-            self.compiled_step = CompiledDecodeStep(self.model, self.operations,
-                                                    announce=comm.rank == 0)
-            self._warm_up_compiled_step()
+        # Why steps cannot be compiled here (None: they can, once `prepare_compiled` ran)
+        self.not_compiled = ("--compile off" if engine.compile == "off"
+                             else compile_applies(engine.device, self.model))
+        kernel = eager_decode_reads_kernel(engine, self.model)
+        self._allocate_kv_cache(tokens_innermost=kernel or self.not_compiled is None)
+        if kernel:
+            use_decode_kernels(self.model, gemv=self.not_compiled is None)
+        self.decode_graph: CompiledDecodeStep | None = None
+        self.pieces: CompiledPieces | None = None
+
+    def compile_status(self) -> CompileStatus:
+        """Whether steps can be compiled here, and whether the graphs are saved already."""
+        return CompileStatus(self.not_compiled,
+                             self.not_compiled is None and self._decode_step().cached())
+
+    def _decode_step(self) -> CompiledDecodeStep:
+        key = graph_cache_key(self.engine, self.engine.model, self.comm.rank,
+                              self.comm.world_size, self._packed)
+        return CompiledDecodeStep(self.model, key)
 
     @torch.inference_mode()
-    def _warm_up_compiled_step(self) -> None:
-        """Compile the decode step on dummy steps that write only block 0 (never handed out),
-        zeroed again after."""
-        plans = warm_up_plans(self.engine.block_size)
-        if not self.compiled_step.warm_up([ForwardBatch(plan, self.engine.block_size,
-                                                        self.device) for plan in plans]):
-            self.compiled_step = None
+    def prepare_compiled(self) -> str:
+        """Load (or compile and save) the decode graphs, compile the pieces on warm-up steps
+        that write only block 0 (never handed out; zeroed again after), and use them from the
+        next step on; a line saying what it did. Every rank runs it at the same point."""
+        if self.not_compiled is not None:
+            return f"steps run eager ({self.not_compiled})"
+        if self.decode_graph is not None:
+            return "compiled steps ready"
+        start = time.perf_counter()
+        mark_static(self.model)
+        decode = self._decode_step()
+        block_size = self.engine.block_size
+        loaded, compiled = decode.prepare({
+            one: ForwardBatch(plan, block_size, self.device)
+            for one, plan in warm_up_plans(block_size).items()})
+        pieces = CompiledPieces(self.operations)
+        # One step per row-count class of the GEMMs (packed weights up to PACKED_MAX_ROWS)
+        tokens = [64] if PACKED_MAX_ROWS is None else [64, PACKED_MAX_ROWS + 64]
+        overlap = self.engine.overlap != "off"
+        with self.comm.long_timeout(COMPILE_COMM_TIMEOUT_S):
+            for plan in piece_warm_up_plans(block_size, tokens):
+                execute(pieces.plain, ForwardBatch(plan, block_size, self.device))
+                if overlap:
+                    batch = ForwardBatch(plan, block_size, self.device)
+                    execute_overlapped(pieces.staged, batch, batch)
         for attn in self.model.attention_layers():
             for cache in attn.cache_tensors():
                 cache[0].zero_()
+        self.decode_graph, self.pieces = decode, pieces
+        return (f"compiled steps ready in {elapsed(start)}: decode graphs {loaded} loaded, "
+                f"{compiled} compiled; {pieces.graphs} kinds of pieces")
 
     def _allocate_kv_cache(self, tokens_innermost: bool) -> None:
         """`tokens_innermost`: the decode operator's layout (`PagedAttention` only)."""
@@ -117,23 +155,31 @@ class ModelRunner:
         """Run one forward step; rank 0 returns tokens (and logprobs, logits if asked),
         the other ranks None."""
         self.comm.skip = plan.skip_comm
-        logits = self._forward(plan)
+        logits, path = self._forward(plan)
         if self.comm.rank != 0:
             return None
-        return postprocess(logits, plan, self.generator)
+        result = postprocess(logits, plan, self.generator)
+        result.path = path
+        return result
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor:
-        """Logits of the step's logit rows: one batch straight, or two micro-batches
-        overlapped (each computes its share of the rows, A's first)."""
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, str]:
+        """Logits of the step's logit rows and the path it took (`STEP_PATHS`): the decode
+        graph, or the operation list (with compiled pieces where prepared) straight or as two
+        overlapped micro-batches (each computes its share of the rows, A's first). Steps with
+        collectives skipped run eager: the graphs hold the real ones."""
         block_size = self.engine.block_size
+        compiled = self.decode_graph is not None and not plan.skip_comm
         parts = (split_step(plan, self.engine.tbo_token_distribution_threshold)
                  if plan.overlap else None)
         if parts is None:
             batch = ForwardBatch(plan, block_size, self.device)
-            if self.compiled_step is not None and self.compiled_step.handles(batch):
-                return self.compiled_step(batch)
-            return execute(self.operations, batch)["logits"]
-        out_a, out_b = execute_overlapped(self.operations,
-                                          ForwardBatch(parts.a, block_size, self.device),
+            if compiled and self.decode_graph.handles(batch):
+                with tracer().span("decode graph", "A"):
+                    return self.decode_graph(batch), "graph"
+            ops = self.pieces.plain if compiled else self.operations
+            return execute(ops, batch)["logits"], "pieces" if compiled else "eager"
+        ops = self.pieces.staged if compiled else self.operations
+        out_a, out_b = execute_overlapped(ops, ForwardBatch(parts.a, block_size, self.device),
                                           ForwardBatch(parts.b, block_size, self.device))
-        return torch.cat([out_a["logits"], out_b["logits"]])
+        path = "pieces+overlap" if compiled else "eager+overlap"
+        return torch.cat([out_a["logits"], out_b["logits"]]), path

@@ -7,6 +7,7 @@ from multiprocessing.connection import Connection
 from braid.config import EngineConfig, ModelConfig
 from braid.distributed.comm import SwitchableCommunicator, TorchCommunicator
 from braid.distributed.shm import ShmCommunicator, ShmSegment
+from braid.engine.compiled_step import configure_caches
 from braid.engine.model_runner import ModelRunner
 from braid.overlap.trace import enable_tracing
 
@@ -28,17 +29,20 @@ def make_communicator(engine: EngineConfig, rank: int, world_size: int,
 
 def worker_main(rank: int, world_size: int, conn: Connection, engine: EngineConfig,
                 config: ModelConfig, segment: ShmSegment | None = None) -> None:
-    """Rank entry point (run by `RankGroup`): every rank answers "ready"; rank 0 answers steps."""
+    """Rank entry point (run by `RankGroup`): every rank answers "ready" with its
+    `CompileStatus`; rank 0 answers steps and "compile" (`ModelRunner.prepare_compiled`), which
+    every rank runs at the same point."""
+    configure_caches()
     comm = make_communicator(engine, rank, world_size, segment)
     runner = ModelRunner(engine, config, comm)
     trace = enable_tracing(rank) if engine.trace else None
-    conn.send(("ok", "ready"))
+    conn.send(("ok", runner.compile_status()))
     try:
         while True:
             kind, payload = conn.recv()
             if kind == "stop":
                 return
-            result = runner.step(payload)
+            result = runner.prepare_compiled() if kind == "compile" else runner.step(payload)
             if rank == 0:
                 conn.send(("ok", result))
     finally:

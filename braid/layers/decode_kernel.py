@@ -1,15 +1,13 @@
-"""The step's C++ operators on CPU, built together into one library:
+"""The step's C++ attention and GEMV operators on CPU (built with braid's other operators by
+`braid.native`):
 
 - `torch.ops.braid.paged_decode_attention`: decode attention over the paged KV cache, of the
   model's dtype or int8 (`csrc/paged_decode_attention.cpp`), in eager and compiled decode steps;
 - `torch.ops.braid.gemv_bf16` and `gemv_int8`: a linear layer's product for one row with its
-  row-major bf16 weight or its int8 one (`csrc/gemv.cpp`), on CPUs with AVX512-BF16, in the
-  compiled step;
+  row-major bf16 weight or its int8 one (`csrc/gemv.cpp`), on CPUs with AVX512-BF16, in
+  compiled graphs;
 - `torch.ops.braid.causal_prefill_attention`: causal attention of fresh prompts or chunks over
-  their keys, bf16 on CPUs with AVX512-BF16 (`csrc/prefill_attention.cpp`), in eager prefill;
-- `torch.ops.braid.rms_norm` and `add_pair`: RMSNorm, and the sum of two ranks' block outputs
-  with the residual, each in one pass, float32 or bf16 (`csrc/residual.cpp`), outside compiled
-  graphs (`fused`).
+  their keys, bf16 on CPUs with AVX512-BF16 (`csrc/prefill_attention.cpp`), in eager prefill.
 
 Inductor's code for the same reductions (`traced_decode_attention`) is bound by add latency and
 memory stalls: 500-610 us a layer for 32 sequences of 160 keys (SmolLM2's 9 query and 3 KV
@@ -19,32 +17,17 @@ kernel takes 160-220 us (85-110 us with one layer's cache, from L3).
 At one row a GEMM streams its weight. Measured the same way (30 layers' weights, 2 threads),
 oneDNN's packed bf16 GEMM takes 93-105 / 48-50 / 34-41 us for SmolLM2's gate_up / down / qkv
 and 1.3-1.7 ms for the LM head, where the GEMV takes 73-81 / 30-33 / 17-30 us and 1.2-1.7 ms.
-
-The library is built on first use with the
-host's compiler for the host's vector ISA (as inductor builds its kernels; `--compile on`
-needs that compiler anyway), about 30 s, then loaded from torch's extension cache
-(`~/.cache/torch_extensions`). Where it cannot be built the step keeps the traced kernel.
+Where the library cannot be built the steps keep the traced kernel and oneDNN's GEMMs.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-import shutil
-import warnings
-from pathlib import Path
-
 import torch
 
+from braid import native
 from braid.config import cpu_flags
 from braid.layers import kv_layout
 
-_SOURCES = [Path(__file__).with_name("csrc") / name
-            for name in ("paged_decode_attention.cpp", "gemv.cpp", "prefill_attention.cpp",
-                         "residual.cpp")]
-# torch's vector ISA (what at::vec compiles to) -> the macro that selects it
-_CAPABILITY_MACROS = {"AVX512": ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
-                      "AVX2": ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]}
 # Block sizes and head dims must be multiples of the vector width (16 floats at most).
 _VECTOR_FLOATS = 16
 _MAX_GROUP = 8  # query heads per KV head the kernel is instantiated for
@@ -52,48 +35,9 @@ _MAX_GROUP = 8  # query heads per KV head the kernel is instantiated for
 _GEMV_CHUNK = {torch.bfloat16: 32, torch.int8: 16}
 
 
-@functools.cache
 def load() -> bool:
-    """Builds (or loads from cache) the operators; False, with a warning, where that fails."""
-    try:
-        _build()
-    except Exception as e:  # noqa: BLE001 - no compiler, no ninja: keep the traced kernel
-        warnings.warn(f"decode step kernels not built ({type(e).__name__}: {str(e)[:300]}); "
-                      f"decode steps attend over gathered blocks (compiled: traced attention, "
-                      f"oneDNN's GEMMs)", stacklevel=2)
-        return False
-
-    @torch.library.register_fake("braid::paged_decode_attention")
-    def _(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, scale):
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake("braid::gemv_bf16")
-    def _(x, weight):
-        return x.new_empty(x.shape[0], weight.shape[0])
-
-    @torch.library.register_fake("braid::gemv_int8")
-    def _(x, values, scales):
-        return x.new_empty(x.shape[0], values.shape[0])
-
-    @torch.library.register_fake("braid::causal_prefill_attention")
-    def _(q, k, v, scale):
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-    return True
-
-
-def _build() -> None:
-    from torch.utils.cpp_extension import load as load_extension
-
-    if shutil.which("ninja") is None:  # the venv's ninja, when the venv is not activated
-        import ninja
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    capability = torch.backends.cpu.get_cpu_capability()
-    load_extension("braid_decode_kernels", [str(source) for source in _SOURCES],
-                   extra_cflags=["-O3", "-march=native", "-fopenmp",
-                                 *_CAPABILITY_MACROS.get(capability, [])],
-                   extra_ldflags=["-fopenmp"], is_python_module=False)
+    """Whether the operators are built (building or loading them on first use)."""
+    return native.load()
 
 
 def attention_fits(heads: int, k_cache: torch.Tensor, dtype: torch.dtype) -> bool:

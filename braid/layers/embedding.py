@@ -33,13 +33,17 @@ class VocabParallelEmbedding(nn.Module):
         param.data.copy_(rows)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(self.partial(input_ids))
+
+    def partial(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the lookup, zero for the tokens outside its range (the sum over
+        ranks is the embedding)."""
         if self.comm.world_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.size)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out.masked_fill_(outside.unsqueeze(-1), 0)
-        return self.comm.all_reduce(out)
+        return out.masked_fill_(outside.unsqueeze(-1), 0)
 
 
 class ParallelLMHead(nn.Module, Quantizable):

@@ -180,23 +180,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _kernels.pick("silu_mul", gate_up.shape[0])(gate_up)
 
 
-def add_pair(a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """`a + b + residual` (a block's two partial outputs, then the residual stream), summed in
-    fp32 and rounded once to the dtype, through `decode_kernel`'s one-pass operator where it is
-    built (CPU, float32 and bf16; the same bits).
-
-    Rounding the pair before adding the residual, as a bf16 sum of the pair would, moved tp 2's
-    bf16 logits from the single-rank ones: SmolLM2's chat answer to "What is the capital of
-    France?" opened with "L" (25.125) over "The" (25.0), where transformers' bf16 model has
-    "The" 25.75 and "L" 25.5; rounded once, tp 2 gave exactly those (with eager's norm; with
-    `rms_norm`'s, "The" 25.375 over "L" 25.25, as tp 1's 25.25 over 25.125). The operator also
-    outran the kernels it replaces (one core of a Zen 4 host, bf16 rows of 576): 6.8 against
-    12.6 us for eager's two adds at 32 rows, 0.39 against 0.58 ms compiled at 4,096."""
-    if _native_fits(a, b, residual):
-        return torch.ops.braid.add_pair(a.contiguous(), b.contiguous(), residual.contiguous())
-    return (a.float() + b.float() + residual.float()).to(a.dtype)
-
-
 def _native_fits(*tensors: torch.Tensor) -> bool:
     """Whether `decode_kernel`'s elementwise operators take these tensors: built, on CPU,
     float32 or bf16, all of one dtype."""

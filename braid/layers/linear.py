@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from braid.distributed.comm import Communicator, Handle
+from braid.distributed.comm import Communicator, Pending
 from braid.layers.partition import HeadShard, split_range
 from braid.layers.quant import Quantizable, linear
 from braid.loader.weights import LazyWeight
@@ -54,9 +54,9 @@ class DataParallelLinear(nn.Module, Quantizable):
     Every rank holds the full weight, fused from several checkpoint tensors (`out_features`
     lists them, in order; `shard_ids` names them for the loader). `forward` is the replicated
     GEMM over all tokens. `forward_async` pads the tokens to a multiple of the world size (at
-    least one per rank), multiplies only this rank's contiguous slice and all-gathers the
-    slices: each rank does 1/tp of the GEMM, and the handle's result drops the padding. Both
-    give the same rows (each row's product does not depend on the other rows).
+    least one per rank), multiplies only this rank's contiguous slice and starts gathering the
+    slices: each rank does 1/tp of the GEMM, and `wait` drops the padding. Both give the same
+    rows (each row's product does not depend on the other rows).
     """
 
     def __init__(self, in_features: int, out_features: Sequence[int], comm: Communicator, *,
@@ -78,18 +78,22 @@ class DataParallelLinear(nn.Module, Quantizable):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, int8=self.int8, packed=self.packed, gemv=self.gemv)
 
-    def forward_async(self, x: torch.Tensor) -> Handle:
-        """Start the token-split product; `wait()` returns all rows, as `forward(x)` would."""
+    def forward_async(self, x: torch.Tensor) -> Pending:
+        """Start the token-split product; `wait(pending, x.shape[0])` returns all rows, as
+        `forward(x)` would."""
         world, tokens = self.comm.world_size, x.shape[0]
         if world == 1:
-            return Handle(lambda: self.forward(x))
+            return (self.forward(x),)
         rows = max(1, -(-tokens // world))
         start = min(self.comm.rank * rows, tokens)
         local = x[start:start + rows]
         if local.shape[0] < rows:  # the tail ranks compute zero rows that are dropped again
             local = torch.cat([local, local.new_zeros(rows - local.shape[0], x.shape[1])])
-        gathered = self.comm.all_gather_async(self.forward(local))
-        return Handle(lambda: gathered.wait()[:tokens], "dp_linear")
+        return self.comm.all_gather_async(self.forward(local))
+
+    def wait(self, pending: Pending, tokens: int) -> torch.Tensor:
+        """The product of all `tokens` rows that `forward_async` started."""
+        return self.comm.wait_gather(pending)[:tokens]
 
 
 class ColumnParallelLinear(nn.Module, Quantizable):
@@ -154,8 +158,7 @@ class RowParallelLinear(nn.Module, Quantizable):
     """Input features split over ranks; partial outputs are summed over ranks.
 
     With `reduce=False` the caller owns the all-reduce (to launch it asynchronously, or to fuse
-    it with a later one) and may pass `out`, the communicator's send buffer, for the partial
-    product. `in_range` is this rank's (start, size) of the input features.
+    it with a later one). `in_range` is this rank's (start, size) of the input features.
     """
 
     def __init__(self, in_features: int, out_features: int, comm: Communicator, *,
@@ -175,7 +178,7 @@ class RowParallelLinear(nn.Module, Quantizable):
     def load_shard(self, param: nn.Parameter, weight: LazyWeight, shard_id: object = None) -> None:
         _copy_checked(param.data, weight.narrow(1, *self.in_range), "row shard")
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.comm.rank == 0 else None
-        y = linear(x, self.weight, bias, self.int8, out, self.packed, self.gemv)
+        y = linear(x, self.weight, bias, self.int8, self.packed, self.gemv)
         return self.comm.all_reduce(y) if self.reduce else y

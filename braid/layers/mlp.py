@@ -16,8 +16,7 @@ GATE_UP_STACKED = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj",
 
 
 class GatedMLP(nn.Module):
-    """`down(silu(gate(x)) * up(x))`; returns this rank's partial sum (the caller all-reduces),
-    written into `out` where given."""
+    """`down(silu(gate(x)) * up(x))`; returns this rank's partial sum (the caller all-reduces)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, comm: Communicator,
                  dtype: torch.dtype) -> None:
@@ -30,5 +29,5 @@ class GatedMLP(nn.Module):
             dtype=dtype)
         self.gate_up_proj.gated = True
 
-    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_up_proj, hidden), out)
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_up_proj, hidden))

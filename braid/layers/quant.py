@@ -13,8 +13,11 @@ interleaved steps). The copy costs the weights' bytes again. fp32 keeps the row-
 only (oneDNN's packed fp32 GEMM was not faster). `--no-weight-packing` turns it off.
 A SwiGLU's merged gate/up weight is packed as its two halves instead, and `gated_silu` applies
 SiLU and the product in the two GEMMs' oneDNN epilogues (eager decode steps 0.95-0.97x at 1 row
-and 0.98-0.99x at 32 against one merged packed GEMM, but no pass over the activation; the
-compiled decode step, `--compile on`, reads row-major weights and is unaffected).
+and 0.98-0.99x at 32 against one merged packed GEMM, but no pass over the activation).
+Packed weights are oneDNN's opaque tensors, which compiled graphs cannot take as inputs, so the
+GEMM over one is braid's operator `packed_linear` (`csrc/packed_linear.cpp`), which finds the
+weight by its number in a table of the process (a one-element tensor, so that one graph serves
+every layer): eager steps and compiled graphs (their GEMMs of few rows) call the same operator.
 
 **int8 (`--quantization int8`).** Each linear layer's weight gets an int8 copy, symmetric per
 output channel (`scale = max |w| / 127`), quantised from this rank's shard. A GEMM of a few rows
@@ -22,28 +25,27 @@ output channel (`scale = max |w| / 127`), quantised from this rank's shard. A GE
 of bf16; larger GEMMs keep the dense weight, where that kernel is several times slower
 (measured with bf16 activations on AVX-512: 3x faster at 1 row, even at 8, 3.3x slower at 32,
 against the row-major weight). The kernel is vectorised for 16-bit activations only, so fp32
-models keep the dense path (a warning says so). Inside the compiled decode step (`--compile
-on`) the GEMMs of one sequence read the int8 weights through inductor's GEMM template for
-them, and so do those of several sequences where the CPU has AMX (see `int8_applies`).
+models keep the dense path (a warning says so). Inside a compiled step's graph for one
+sequence the GEMMs read the int8 weights through braid's GEMV operator where the CPU has
+AVX512-BF16 (`decode_kernel.gemv`).
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from braid import native
 from braid.config import cpu_flags
 from braid.layers import decode_kernel
 from braid.layers.fused import silu_mul
 
 INT8_MAX_ROWS = 4  # GEMMs of at most this many rows use the int8 weights
-# Whether the compiled decode step's graph for several sequences reads int8 weights (see
-# `int8_applies`); a constant, so that tracing does not read the CPU's flags.
-INT8_GRAPH_AT_BATCH = "amx_int8" in cpu_flags()
 
 
 @dataclass
@@ -72,7 +74,9 @@ class Quantizable:
     other forms; `forward` passes them all to `linear`."""
 
     int8: Int8Weight | None = None
-    packed: torch.Tensor | None = None  # oneDNN's blocked copy, beside the row-major weight
+    # The number oneDNN's blocked copy of the weight (kept beside the row-major one) is
+    # registered under for `packed_linear` (`pack_linear_layers`), as a one-element tensor
+    packed: torch.Tensor | None = None
     # False where other code reads the weight as a matrix (MLA's kv_b_proj), or where the
     # row-major weight is the faster GEMM operand (the LM head under tensor parallelism)
     packable = True
@@ -80,7 +84,8 @@ class Quantizable:
     # GEMM reads (int8 or dense): that GEMM is then braid's GEMV operator
     gemv = False
     # Set on a SwiGLU's merged [gate | up] projection (`GatedMLP`): packing then makes
-    # `packed_halves`, gate and up packed apart, for `gated_silu` (and no merged copy)
+    # `packed_halves`, gate and up packed apart (their numbers), for `gated_silu` (and no
+    # merged copy)
     gated = False
     packed_halves: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -89,29 +94,29 @@ class Quantizable:
 
 
 def int8_applies(x: torch.Tensor, int8: Int8Weight | None) -> bool:
-    """Whether a GEMM of `x` reads the int8 weights: there are some, and `x` has few rows, or
-    `x` is traced into the compiled decode step's graph for one sequence (its row count is the
-    constant 1), or into its graph for several where the CPU has AMX. Inductor's GEMM template
-    for int8 weights beat the dense GEMM at any decode batch with AMX (32 rows: 10.7 against
-    13.7 ms for SmolLM2's 121 GEMMs), but on a Zen 4 without AMX int8 at batch 32 decoded at
-    0.71x bf16, so there the graph for several sequences keeps the dense weights."""
+    """Whether a GEMM of `x` reads the int8 weights: there are some, and `x` has few rows (in a
+    compiled graph, whose row count is a symbol, only the graph for one sequence, where it is
+    the constant 1)."""
     if int8 is None or x.dim() != 2:
         return False
     if torch.compiler.is_compiling():
-        return x.shape[0] == 1 or INT8_GRAPH_AT_BATCH
+        return x.shape[0] == 1
     return x.shape[0] <= INT8_MAX_ROWS
 
 
+def gemv_applies(x: torch.Tensor, gemv: bool) -> bool:
+    """Whether a layer whose `gemv` is set computes `x` through braid's GEMV operator: one row,
+    traced into a compiled graph."""
+    return gemv and torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] == 1
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           int8: Int8Weight | None = None, out: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, gemv: bool = False) -> torch.Tensor:
+           int8: Int8Weight | None = None, packed: torch.Tensor | None = None,
+           gemv: bool = False) -> torch.Tensor:
     """`F.linear`, through the int8 weights where `int8_applies`, else through the packed
-    weight where there is one and `packed_applies`; with `gemv`, a row traced into the
-    compiled step goes through `decode_kernel.gemv` instead (int8 or dense). Written into
-    `out` where given (the int8, oneDNN and GEMV kernels return a new tensor, copied once: a few
-    rows where it matters)."""
-    one_traced_row = (gemv and torch.compiler.is_compiling() and x.dim() == 2
-                      and x.shape[0] == 1)
+    weight numbered `packed` where there is one and `packed_applies`; with `gemv`, a row traced
+    into a compiled graph goes through `decode_kernel.gemv` instead (int8 or dense)."""
+    one_traced_row = gemv_applies(x, gemv)
     if int8_applies(x, int8):
         if one_traced_row:
             y = decode_kernel.gemv(x, int8.values, int8.scales)
@@ -120,18 +125,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y if bias is None else y + bias
     if one_traced_row:
         y = decode_kernel.gemv(x, weight)
-        y = y if bias is None else y + bias
-        return y if out is None else out.copy_(y)
+        return y if bias is None else y + bias
     if packed is not None and packed_applies(x):
         rows = x.reshape(-1, x.shape[-1])
-        y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
-        y = y.view(*x.shape[:-1], y.shape[-1])
-        return y if out is None else out.copy_(y)
-    if out is None or x.dim() != 2:
-        return F.linear(x, weight, bias)
-    if bias is None:
-        return torch.mm(x, weight.t(), out=out)
-    return torch.addmm(bias, x, weight.t(), out=out)
+        y = torch.ops.braid.packed_linear(rows, packed, weight.shape[0], bias, "none", None)
+        return y.view(*x.shape[:-1], y.shape[-1])
+    return F.linear(x, weight, bias)
 
 
 def quantize_linear_layers(model: nn.Module) -> None:
@@ -165,19 +164,32 @@ def packing_supported(weight: torch.Tensor) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack_linear_layers(model: nn.Module) -> None:
+def pack_linear_layers(model: nn.Module) -> bool:
     """Give the bf16 weight of every packable linear layer oneDNN's blocked copy, for
-    `packed_applies` GEMMs (the row-major weight stays for larger ones). Other dtypes and
-    devices stay as they are."""
+    `packed_applies` GEMMs (the row-major weight stays for larger ones), registered for
+    `packed_linear` (forgotten when `model` is). Other dtypes and devices stay as they are.
+    Whether any weight was packed."""
+    if not native.load():
+        return False
+    ids = []
+
+    def register(weight: torch.Tensor) -> torch.Tensor:
+        ids.append(torch.ops.braid.register_packed_weight(_pack(weight)))
+        return torch.tensor([ids[-1]], dtype=torch.int64)
+
     for layer in model.modules():
         if not isinstance(layer, Quantizable) or not layer.packable:
             continue
         weight = layer.quantizable_weight()
-        if packing_supported(weight):
-            if layer.gated:
-                layer.packed_halves = tuple(_pack(half.contiguous()) for half in weight.chunk(2))
-            else:
-                layer.packed = _pack(weight)
+        if not packing_supported(weight):
+            continue
+        if layer.gated:
+            layer.packed_halves = tuple(register(half.contiguous()) for half in weight.chunk(2))
+        else:
+            layer.packed = register(weight)
+    if ids:
+        weakref.finalize(model, torch.ops.braid.forget_packed_weights, ids)
+    return bool(ids)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -187,20 +199,22 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 def swiglu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of a merged [gate | up] projection (`Quantizable.gated`), through the
     weight form `linear` would read: the packed halves (`gated_silu`) where there are some,
-    they apply and the int8 weights do not, else the layer's product and `silu_mul`."""
+    they apply and neither the int8 weights nor the GEMV do, else the layer's product and
+    `silu_mul`."""
     if (layer.packed_halves is not None and packed_applies(x)
-            and not int8_applies(x, layer.int8)):
-        return gated_silu(x, *layer.packed_halves)
+            and not int8_applies(x, layer.int8) and not gemv_applies(x, layer.gemv)):
+        return gated_silu(x, *layer.packed_halves, layer.weight.shape[0] // 2)
     return silu_mul(layer(x))
 
 
-def gated_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu(x @ gate.T) * (x @ up.T)` for packed `gate` and `up` (`packed_halves`): two oneDNN
-    GEMMs, the first applying SiLU to its fp32 sums, the second multiplying its sums by the
-    first's output, so neither the merged projection nor the activation is another pass over
-    memory. 2-core Xeon with AMX, 4096 rows of SmolLM2 (576 -> 2 x 1536): 6.6 ms against 7.6-7.8
-    for the merged GEMM and the compiled `silu_mul`."""
+def gated_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+               columns: int) -> torch.Tensor:
+    """`silu(x @ gate.T) * (x @ up.T)` for the packed `gate` and `up` (`packed_halves`, of
+    `columns` outputs each): two oneDNN GEMMs, the first applying SiLU to its fp32 sums, the
+    second multiplying its sums by the first's output, so neither the merged projection nor the
+    activation is another pass over memory. 2-core Xeon with AMX, 4096 rows of SmolLM2 (576 ->
+    2 x 1536): 6.6 ms against 7.6-7.8 for the merged GEMM and the compiled `silu_mul`."""
     rows = x.reshape(-1, x.shape[-1])
-    activated = torch.ops.mkldnn._linear_pointwise(rows, gate, None, "swish", [], "")
-    y = torch.ops.mkldnn._linear_pointwise.binary(rows, activated, up, None, "mul")
+    activated = torch.ops.braid.packed_linear(rows, gate, columns, None, "swish", None)
+    y = torch.ops.braid.packed_linear(rows, up, columns, None, "mul", activated)
     return y.view(*x.shape[:-1], y.shape[-1])

@@ -1,8 +1,8 @@
 """What every decoder-only model shares: embedding, final norm, LM head, and the operations
 that open and close the forward pass.
 
-State between operations (see `braid.overlap.operations`): "partial" is the handle of the
-all-reduce in flight (the embedding's, then each block's), "residual" the running residual.
+State between operations (see `braid.overlap.operations`): "partial" is the all-reduce in
+flight (the embedding's, then each block's: a `Pending`), "residual" the running residual.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from braid.config import ModelConfig
-from braid.distributed.comm import Communicator, Handle
+from braid.distributed.comm import Communicator
 from braid.engine.batch import ForwardBatch
 from braid.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from braid.layers.norm import RMSNorm
-from braid.overlap.operations import State
+from braid.overlap.operations import State, between_pieces
 
 
 class DecoderModel(nn.Module):
@@ -32,7 +32,8 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def embed_op(self, state: State, batch: ForwardBatch) -> None:
-        state.put("partial", Handle(lambda: self.embed_tokens(batch.input_ids)))
+        state.put("partial", self.embed_tokens.comm.all_reduce_async(
+            self.embed_tokens.partial(batch.input_ids)))
         state.put("residual", None)
 
 
@@ -56,23 +57,17 @@ class DecoderLayer(nn.Module):
 
     def attention_input(self, state: State) -> torch.Tensor:
         """Wait for the previous block's sum, add it to the residual, normalise."""
-        return self.input_layernorm(add_to_residual(state))
+        return self.input_layernorm(add_to_residual(self.comm, state))
 
     def mlp_op(self, state: State, batch: ForwardBatch) -> None:
-        hidden = self.post_attention_layernorm(add_to_residual(state))
-        state.put("partial", self.reduce_async(hidden, lambda out: self.mlp(hidden, out)))
-
-    def reduce_async(self, hidden: torch.Tensor,
-                     block: Callable[[torch.Tensor | None], torch.Tensor]) -> Handle:
-        """Start the sum over ranks of a block's partial output, which `block(out)` writes
-        into the communicator's send buffer `out` (shaped like `hidden`)."""
-        return self.comm.all_reduce_into_async(hidden.shape, hidden.dtype, block)
+        hidden = self.post_attention_layernorm(add_to_residual(self.comm, state))
+        state.put("partial", self.comm.all_reduce_async(self.mlp(hidden)))
 
 
-def add_to_residual(state: State) -> torch.Tensor:
+def add_to_residual(comm: Communicator, state: State) -> torch.Tensor:
     """The new residual: the block sum in flight ("partial") plus the running residual (none
     before the first block), summed straight from the communicator's buffers."""
-    residual = state.take("partial").wait_add(state.take("residual"))
+    residual = comm.wait_sum(state.take("partial"), state.take("residual"))
     state.put("residual", residual)
     return residual
 
@@ -122,8 +117,10 @@ class CausalLM(nn.Module):
             ops += layer.operations()
         return [*ops, self.logits_op]
 
+    @between_pieces  # the rows it keeps vary by step (a prompt chunk keeps none)
     def logits_op(self, state: State, batch: ForwardBatch) -> None:
-        hidden = self.model.norm(state.take("partial").wait_add(state.take("residual")))
+        hidden = self.model.norm(self.lm_head.comm.wait_sum(state.take("partial"),
+                                                            state.take("residual")))
         if batch.logits_index is not None:
             hidden = hidden[batch.logits_index]
         if hidden.shape[0] == 0:  # no logits wanted (a prompt chunk): every rank skips the head

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from braid.config import ModelConfig, UserError, rope_kind
-from braid.distributed.comm import Communicator, Handle
+from braid.distributed.comm import Communicator, Pending
 from braid.engine.batch import ForwardBatch
 from braid.layers.linear import ColumnParallelLinear, DataParallelLinear, RowParallelLinear
 from braid.layers.mla import LatentAttention
@@ -113,17 +113,22 @@ class DeepseekV2Attention(nn.Module):
                                     mla.qk_rope_head_dim, mla.v_head_dim,
                                     softmax_scale(mla, config.rope_scaling))
 
-    def project_latent(self, hidden: torch.Tensor, batch: ForwardBatch) -> Handle:
-        """The fused A projection of every token: token-split with an all-gather in flight
-        (`batch.dp_linear`), or computed here in full."""
+    def project_latent(self, hidden: torch.Tensor, batch: ForwardBatch) -> Pending:
+        """Start the fused A projection of every token: token-split with an all-gather in
+        flight (`batch.dp_linear`), or computed here in full; `latent` finishes it."""
         if batch.dp_linear:
             return self.fused_qkv_a_proj.forward_async(hidden)
-        out = self.fused_qkv_a_proj(hidden)
-        return Handle(lambda: out)
+        return (self.fused_qkv_a_proj(hidden),)
 
-    def forward(self, hidden: torch.Tensor, projected: torch.Tensor, batch: ForwardBatch,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's partial output (into `out` where given); the caller all-reduces it."""
+    def latent(self, pending: Pending, batch: ForwardBatch) -> torch.Tensor:
+        """The fused A projection `project_latent` started."""
+        if batch.dp_linear:
+            return self.fused_qkv_a_proj.wait(pending, batch.num_tokens)
+        return pending[0]
+
+    def forward(self, hidden: torch.Tensor, projected: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """This rank's partial output; the caller all-reduces it."""
         mla = self.mla
         if mla.q_lora_rank:
             q_a, kv_a = projected.split([mla.q_lora_rank, mla.latent_dim], dim=-1)
@@ -136,7 +141,7 @@ class DeepseekV2Attention(nn.Module):
         q_rope, k_rope = self.rotary(batch.positions, q_rope, k_rope[:, None])
         latent = torch.cat([self.kv_a_layernorm(kv_latent), k_rope[:, 0]], dim=-1)
         attended = self.attn(q_nope, q_rope, latent, self.kv_b_proj.weight, batch)
-        return self.o_proj(attended, out)
+        return self.o_proj(attended)
 
 
 class DeepseekV2MoE(nn.Module):
@@ -153,14 +158,13 @@ class DeepseekV2MoE(nn.Module):
         self.shared_experts = (GatedMLP(config.hidden_size, inter * shared, comm, dtype)
                                if shared else None)
 
-    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The partial sum of routed and shared experts (the sum written into `out` where
-        given)."""
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The partial sum of routed and shared experts."""
         weights, ids = self.gate(hidden)
         routed = self.experts(hidden, weights, ids)
         if self.shared_experts is None:
             return routed
-        return torch.add(routed, self.shared_experts(hidden), out=out)
+        return routed + self.shared_experts(hidden)
 
 
 class DeepseekV2DecoderLayer(DecoderLayer):
@@ -183,9 +187,9 @@ class DeepseekV2DecoderLayer(DecoderLayer):
         state.put("projected", self.self_attn.project_latent(hidden, batch))
 
     def attention_op(self, state: State, batch: ForwardBatch) -> None:
-        hidden, projected = state.take("hidden"), state.take("projected").wait()
-        state.put("partial", self.reduce_async(
-            hidden, lambda out: self.self_attn(hidden, projected, batch, out)))
+        hidden = state.take("hidden")
+        projected = self.self_attn.latent(state.take("projected"), batch)
+        state.put("partial", self.comm.all_reduce_async(self.self_attn(hidden, projected, batch)))
 
 
 _EXPERT_WEIGHT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")

@@ -14,7 +14,7 @@ from braid.layers.mlp import GATE_UP_STACKED, GatedMLP
 from braid.layers.partition import partition_heads, split_sizes
 from braid.layers.rotary import RotaryEmbedding
 from braid.models.common import CausalLM, DecoderLayer, DecoderModel
-from braid.overlap.operations import YIELD, State
+from braid.overlap.operations import YIELD, State, between_pieces
 
 
 class LlamaAttention(nn.Module):
@@ -35,21 +35,27 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(heads.q_count, heads.kv_count, d, heads.runs())
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's partial output (into `out` where given); the caller all-reduces it."""
+    def project(self, hidden: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of this rank's heads, rotated: [T, heads, d], [T, kv, d]
+        and [T, kv, d]."""
         qkv = self.qkv_proj(hidden)
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
-        qk = self.rotary.rotate(batch.positions, qk.view(-1, heads + kv_heads, d))
+        qk = self.rotary.rotate(positions, qk.view(-1, heads + kv_heads, d))
         q, k = qk.split([heads, kv_heads], dim=1)
-        attended = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), batch)
-        return self.o_proj(attended, out)
+        return q, k, v.view(-1, kv_heads, d)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """This rank's partial output; the caller all-reduces it."""
+        return self.o_proj(self.attn(*self.project(hidden, batch.positions), batch))
 
 
 class LlamaDecoderLayer(DecoderLayer):
-    """As operations: `attention -> launch all-reduce | YIELD | wait, MLP -> launch all-reduce |
-    YIELD`; the wait of the second all-reduce opens the next layer."""
+    """As operations: `wait, norm, qkv, rotary | attention | o_proj -> launch all-reduce | YIELD |
+    wait, MLP -> launch all-reduce | YIELD`; the wait of the second all-reduce opens the next
+    layer. Attention is an operation of its own: it reads the step's per-sequence metadata, so
+    compiled pieces of a step end before it (`between_pieces`)."""
 
     def __init__(self, config: ModelConfig, comm: Communicator, rotary: RotaryEmbedding,
                  dtype: torch.dtype) -> None:
@@ -57,12 +63,18 @@ class LlamaDecoderLayer(DecoderLayer):
                          GatedMLP(config.hidden_size, config.intermediate_size, comm, dtype))
 
     def operations(self) -> list:
-        return [self.attention_op, YIELD, self.mlp_op, YIELD]
+        return [self.qkv_op, self.attend_op, self.attention_output_op, YIELD, self.mlp_op, YIELD]
 
-    def attention_op(self, state: State, batch: ForwardBatch) -> None:
-        hidden = self.attention_input(state)
-        state.put("partial", self.reduce_async(
-            hidden, lambda out: self.self_attn(hidden, batch, out)))
+    def qkv_op(self, state: State, batch: ForwardBatch) -> None:
+        state.put("qkv", self.self_attn.project(self.attention_input(state), batch.positions))
+
+    @between_pieces
+    def attend_op(self, state: State, batch: ForwardBatch) -> None:
+        state.put("attended", self.self_attn.attn(*state.take("qkv"), batch))
+
+    def attention_output_op(self, state: State, batch: ForwardBatch) -> None:
+        state.put("partial", self.comm.all_reduce_async(
+            self.self_attn.o_proj(state.take("attended"))))
 
 
 def _span(start: int, count: int) -> str:

@@ -24,6 +24,19 @@ YIELD = _Yield()
 Operation = Callable[["State", Any], None]
 
 
+def between_pieces(op: Callable) -> Callable:
+    """Mark an operation that compiled pieces of a step end before and resume after, so that it
+    runs eager (`braid.engine.compiled_step`): one that reads the step's per-sequence metadata,
+    Python values a graph would specialise on (attention over sequences of any lengths). A
+    decode step's whole graph still traces it (its metadata is tensors there)."""
+    op.between_pieces = True
+    return op
+
+
+def is_between_pieces(op: Operation) -> bool:
+    return getattr(op, "between_pieces", False)
+
+
 class StateError(RuntimeError):
     """An operation list misuses its state: an overwrite, a missing value, or a leak."""
 

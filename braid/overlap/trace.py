@@ -2,6 +2,8 @@
 
 Open a file in ui.perfetto.dev or chrome://tracing: one row per micro-batch for its stages and
 one row for collectives (launch, wait start, wait end), so overlap is visible at a glance.
+Inside a compiled graph nothing is recorded (it has no Python to time): a compiled step or piece
+is one span, named as such.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import torch
 
 
 class Tracer:
@@ -23,7 +27,7 @@ class Tracer:
 
     @contextmanager
     def span(self, name: str, row: str) -> Iterator[None]:
-        if not self.enabled:
+        if not self.enabled or torch.compiler.is_compiling():
             yield
             return
         start = time.perf_counter()
@@ -35,7 +39,7 @@ class Tracer:
                                 "pid": self.rank, "tid": row})
 
     def instant(self, name: str, row: str) -> None:
-        if self.enabled:
+        if self.enabled and not torch.compiler.is_compiling():
             self.events.append({"name": name, "ph": "i", "s": "t",
                                 "ts": time.perf_counter() * 1e6, "pid": self.rank, "tid": row})
 

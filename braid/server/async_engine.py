@@ -20,7 +20,7 @@ from braid.engine.core import EngineStats
 from braid.engine.request import Request, SequenceDelta
 from braid.server.engine_process import engine_process_main
 
-READY_TIMEOUT_S = 600.0
+READY_TIMEOUT_S = 1800.0  # a cold start compiles its steps (minutes; tp 3 on 2 cores longer)
 STOP_TIMEOUT_S = 10.0
 
 

@@ -38,6 +38,12 @@ def engine_process_main(config: EngineConfig, conn: Connection) -> None:
         conn.send(("fatal", _describe(e)))
         sys.exit(1)
     core = EngineCore(config, model_config, executor)
+    try:
+        core.compile_steps()  # a server compiles at start (--compile auto or on)
+    except BaseException as e:  # noqa: BLE001 - reported, then this process ends
+        conn.send(("fatal", _describe(e)))
+        core.close()
+        sys.exit(1)
     conn.send(("ready", None))
     try:
         serve(core, conn)
