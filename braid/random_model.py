@@ -58,8 +58,10 @@ _YARN = {
 }
 
 _LLAMA_SHAPES = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2),
+    # SmolLM2's heads (9 query, 3 KV: tp 2 splits a KV head's group) at head dim 16, the
+    # smallest the decode operator takes.
+    "tiny": dict(hidden_size=144, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=9, num_key_value_heads=3),
     "bench": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
                   num_attention_heads=16, num_key_value_heads=4),
 }

@@ -136,3 +136,13 @@ def safetensors_folder(model_path, tokenizer, tmp_path_factory) -> str:
     }))
     tokenizer.save_pretrained(str(folder))
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, tokenizer) -> str:
+    """A random two-layer Llama with SmolLM2's heads (fp32 safetensors folder): the model of
+    the compiled-path tests, which compile in seconds where SmolLM2's 30 layers take minutes."""
+    from braid.random_model import make_random_model
+
+    folder = tmp_path_factory.mktemp("tiny-llama") / "model"
+    return str(make_random_model("llama", "tiny", str(folder), tokenizer=tokenizer))

@@ -93,6 +93,33 @@ def shm_reduce_into_against_gloo(rank, world_size, conn, segment):
     conn.recv()
 
 
+def shm_block_sum_rounds_once(rank, world_size, conn, segment):
+    """`wait_sum` with a residual on random data: the ranks' partials and the residual summed
+    in fp32 in rank order and rounded once (16-bit), the same bits on every rank, at row counts
+    with vector tails and beyond a slot. Answers the mismatches."""
+    from braid.distributed.shm import ShmCommunicator
+
+    shm = ShmCommunicator(rank, segment)
+    mismatches = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for shape in ((1, 576), (32, 576), (3, 100), (1500, 576)):
+            parts = [torch.randn(*shape, generator=torch.Generator().manual_seed(10 * r + 1))
+                     .to(dtype) for r in range(world_size)]
+            residual = torch.randn(*shape, generator=torch.Generator().manual_seed(99)).to(dtype)
+            got = shm.wait_sum(shm.all_reduce_async(parts[rank]), residual)
+            once = parts[0].float()
+            for term in [*parts[1:], residual]:
+                once = once + term.float()
+            everyone = [torch.empty_like(got) for _ in range(world_size)]
+            dist.all_gather(everyone, got)
+            if not (torch.equal(got, once.to(dtype)) and all(torch.equal(got, o)
+                                                            for o in everyone)):
+                mismatches.append((str(dtype), shape))
+    shm.close()
+    conn.send(("ok", mismatches))
+    conn.recv()
+
+
 def shm_outstanding(rank, world_size, conn, segment):
     """Four collectives in flight at once (posted, then waited in order)."""
     from braid.distributed.shm import ShmCommunicator

@@ -1,8 +1,10 @@
-"""When the decode step is compiled, and what a failing compiler leaves (the compiled step's
-answers against eager are checked in test_fused)."""
+"""Compiled steps: where they apply, how a step's operation list becomes pieces, the decode
+graph saved and loaded, and the operators inside graphs (the compiled model's answers against
+eager and transformers are checked in test_fused and test_hf_parity)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,14 +15,14 @@ from braid.engine.batch import ForwardBatch
 from braid.engine.compiled_step import (
     WARM_UP_ROWS,
     CompiledDecodeStep,
-    dynamo_bytecode,
-    generated_function,
-    inductor_config,
-    step_compile_applies,
+    CompiledPieces,
+    auto_compile_pays,
+    compile_applies,
     warm_up_plans,
 )
 from braid.layers.quant import Quantizable
 from braid.models.registry import model_class
+from braid.overlap.operations import YIELD
 
 
 @pytest.fixture(scope="module")
@@ -34,53 +36,44 @@ def tiny_model(model_path):
     return model
 
 
-def test_the_step_compiles_with_compile_on_for_one_cpu_rank(tiny_model):
-    assert step_compile_applies("on", "cpu", 1, tiny_model)
-    assert not step_compile_applies("auto", "cpu", 1, tiny_model)
-    assert not step_compile_applies("off", "cpu", 1, tiny_model)
-    assert not step_compile_applies("on", "cuda", 1, tiny_model)
-    assert not step_compile_applies("on", "cpu", 2, tiny_model)  # collectives: not traceable
+def test_steps_compile_on_cpu_for_paged_attention_models(tiny_model):
+    assert compile_applies("cpu", tiny_model) is None
+    assert "CPU" in compile_applies("cuda", tiny_model)
 
 
-def test_gemm_kernels_chosen_by_weights_and_cpu(tiny_model, monkeypatch):
-    """oneDNN alone for graphs of dense bf16 weights on a CPU without AMX; inductor's templates
-    are timed against it with AMX or where the graph reads int8 weights."""
-    def backends(flags: set[str], one_sequence: bool = True) -> str:
-        monkeypatch.setattr(compiled_step, "cpu_flags", lambda: flags)
-        return inductor_config(tiny_model, one_sequence)["max_autotune_gemm_backends"]
+def test_the_operation_list_becomes_pieces_between_attention_calls(tiny_model):
+    """Straight: one piece from each layer's output projection to the next layer's qkv, the
+    yields dropped; staged (two-batch overlap): pieces end at the yields too. A piece's graph is
+    keyed by its functions, so the 30 layers share 3 graphs straight, 4 staged (the logits,
+    whose rows vary by step, stay eager)."""
+    pieces = CompiledPieces(tiny_model.operations())
+    names = [getattr(op, "__name__", op) for op in pieces.plain]
+    assert names[:4] == ["embed_op+qkv_op", "attend_op", "attention_output_op+mlp_op+qkv_op",
+                         "attend_op"]
+    assert names[-3:] == ["attend_op", "attention_output_op+mlp_op", "logits_op"]
+    assert YIELD not in pieces.plain
+    staged = [getattr(op, "__name__", op) for op in pieces.staged]
+    assert staged[:6] == ["embed_op+qkv_op", "attend_op", "attention_output_op", YIELD,
+                          "mlp_op", YIELD]
+    assert staged[-2:] == ["logits_op", YIELD]
+    assert pieces.graphs == 3 + 4 - 1  # the first piece is the same in both
 
-    no_amx, amx = {"avx512f", "avx512_bf16"}, {"avx512f", "avx512_bf16", "amx_bf16"}
-    assert backends(no_amx) == backends(no_amx, one_sequence=False) == "ATEN"
-    assert backends(amx) == "CPP,ATEN"
-    some_linear = next(m for m in tiny_model.modules() if isinstance(m, Quantizable))
-    monkeypatch.setattr(some_linear, "int8", object(), raising=False)
-    assert backends(no_amx) == "CPP,ATEN"
-    # the graph for several sequences reads the int8 weights only with AMX (int8_applies)
-    for several_read_int8, expected in ((False, "ATEN"), (True, "CPP,ATEN")):
-        monkeypatch.setattr(compiled_step, "INT8_GRAPH_AT_BATCH", several_read_int8)
-        assert backends(no_amx, one_sequence=False) == expected
+
+def test_compile_pays_for_long_jobs_and_sooner_when_saved():
+    assert not auto_compile_pays(8, cached=True)
+    assert auto_compile_pays(1024, cached=True)
+    assert not auto_compile_pays(1024, cached=False)
+    assert auto_compile_pays(100_000, cached=False)
 
 
 def test_warm_up_plans_are_decode_steps_in_block_zero():
     for block_size in (16, 4):
         plans = warm_up_plans(block_size)
-        assert [p.num_tokens for p in plans] == [1, WARM_UP_ROWS]
-        for plan in plans:
+        assert {one: p.num_tokens for one, p in plans.items()} == {True: 1, False: WARM_UP_ROWS}
+        for plan in plans.values():
             batch = ForwardBatch(plan, block_size, "cpu")
             assert CompiledDecodeStep.handles(batch)
             assert (plan.slot_mapping < block_size).all() and (plan.block_tables == 0).all()
-
-
-def test_a_failing_compiler_warns_and_leaves_decode_eager(tiny_model):
-    step = CompiledDecodeStep(tiny_model, tiny_model.operations(), announce=False)
-
-    def broken(batch):
-        raise RuntimeError("no C++ compiler")
-
-    step._forward = broken
-    batches = [ForwardBatch(plan, 16, "cpu") for plan in warm_up_plans(16)]
-    with pytest.warns(UserWarning, match="compiling the decode step failed.*no C.. compiler"):
-        assert step.warm_up(batches) is False
 
 
 def test_decode_block_tables_are_never_narrower_than_the_traced_width():
@@ -88,7 +81,7 @@ def test_decode_block_tables_are_never_narrower_than_the_traced_width():
     compiled graph's symbolic width serves it instead of compiling a graph for width 1."""
     from braid.engine.batch import DECODE_MIN_BLOCKS
 
-    plan = warm_up_plans(16)[1]
+    plan = warm_up_plans(16)[False]
     plan.kv_lens[:] = 3
     plan.block_tables = plan.block_tables[:, :1]
     meta = ForwardBatch(plan, 16, "cpu").attn_groups[0].meta
@@ -101,64 +94,12 @@ def test_decode_block_tables_wider_than_the_keys_come_out_contiguous():
     """A plan whose tables hold more blocks than its keys fill is cut to the keys' width as a
     contiguous tensor: the graph, traced on contiguous tables and called without guards,
     rejected the strided slice ("expected size 32==32, stride 11==9")."""
-    import numpy as np
-
-    plan = warm_up_plans(16)[1]
+    plan = warm_up_plans(16)[False]
     plan.kv_lens[:] = 20  # two blocks of 16
     plan.block_tables = np.arange(WARM_UP_ROWS * 5).reshape(WARM_UP_ROWS, 5)
     tables = ForwardBatch(plan, 16, "cpu").attn_groups[0].meta.block_tables
     assert tables.is_contiguous()
     assert tables.tolist() == plan.block_tables[:, :2].tolist()
-
-
-def test_the_generated_code_runs_the_graph_without_dynamo():
-    """What a warmed-up step calls: dynamo's code for the function, run with no guard check
-    (an input dynamo would recompile for runs the same graph) and the same answer."""
-    compiles = []
-
-    def counting_backend(graph_module, example_inputs):
-        compiles.append(graph_module)
-        return graph_module.forward
-
-    def scaled(x):
-        return x * 2 + 1
-
-    compiled = torch.compile(scaled, backend=counting_backend, dynamic=True)
-    with dynamo_bytecode() as generated:
-        compiled(torch.ones(3))
-    direct = generated_function(generated, scaled)
-    assert direct is not None and len(compiles) == 1
-    x = torch.arange(5, dtype=torch.float64)  # another dtype: a guard dynamo would fail
-    assert torch.equal(direct(x), x * 2 + 1)
-    assert len(compiles) == 1
-    assert generated_function(generated, test_warm_up_plans_are_decode_steps_in_block_zero) is None
-
-
-def test_steps_go_through_dynamo_where_warm_up_generated_no_code(tiny_model):
-    """A shape class whose warm-up produced no code of dynamo's (here: `_forward` is not
-    compiled) runs through `_forward`, guards checked in full."""
-    step = CompiledDecodeStep(tiny_model, tiny_model.operations(), announce=False)
-    seen = []
-    step._forward = lambda batch: seen.append(batch.num_tokens) or torch.zeros(1)
-    batches = [ForwardBatch(plan, 16, "cpu") for plan in warm_up_plans(16)]
-    assert step.warm_up(batches) is True
-    for batch in batches:
-        step(batch)
-    assert seen == [1, WARM_UP_ROWS] * 2
-
-
-def test_other_errors_of_the_step_propagate(tiny_model):
-    step = CompiledDecodeStep(tiny_model, tiny_model.operations(), announce=False)
-    step._forward = lambda batch: torch.zeros(1)
-    batch = ForwardBatch(warm_up_plans(16)[0], 16, "cpu")
-    step.warm_up([batch])
-
-    def broken(batch):
-        raise RuntimeError("out of memory")
-
-    step._forward = broken
-    with pytest.raises(RuntimeError, match="out of memory"):
-        step(batch)
 
 
 def test_decode_attention_uses_the_kernel_where_the_cache_fits_it(tiny_model):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import slow
 
 from braid.layers import fused
 
@@ -45,24 +44,6 @@ def test_compiled_kernels_equal_eager(kernels, dtype):
         gate_up = torch.randn(rows, 2 * 96, generator=gen).to(dtype)
         torch.testing.assert_close(fused.silu_mul(gate_up), fused._silu_mul(gate_up),
                                    atol=tolerance, rtol=tolerance)
-
-
-def test_the_pair_sum_rounds_once_with_or_without_the_native_operator(kernels):
-    """Ranks sum block partials and the residual with it: one rounding of the fp32 sum, the
-    same bits from the C++ operator (any row count, vector tails) and from the formula."""
-    fused.configure_compile("off")
-    assert kernels.native, "decode_kernel's library did not build on this host"
-    gen = torch.Generator().manual_seed(2)
-    for dtype in (torch.bfloat16, torch.float32):
-        for shape in ((1, 576), (32, 576), (3, 100), (1500, 576)):
-            a, b, residual = (torch.randn(*shape, generator=gen).to(dtype) for _ in range(3))
-            once = (a.double() + b.double() + residual.double()).to(dtype)
-            kernels.native = True
-            native = fused.add_pair(a, b, residual)
-            kernels.native = False
-            assert torch.equal(native, fused.add_pair(a, b, residual))
-            if dtype == torch.bfloat16:  # fp32 sums of bf16 terms: exact before the rounding
-                assert torch.equal(native, once)
 
 
 def test_weights_a_frozen_graph_has_read_share_one_compiled_norm(kernels):
@@ -132,40 +113,3 @@ def test_a_failing_compiler_warns_and_stays_eager(kernels, monkeypatch):
     with pytest.warns(UserWarning, match="torch.compile failed.*no C.. compiler.*running eager"):
         fused.configure_compile("on")
     assert kernels.pick("rotate", 4096) is fused._rotate
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory, tokenizer) -> str:
-    from braid.random_model import make_random_model
-
-    folder = tmp_path_factory.mktemp("tiny-llama") / "model"
-    return str(make_random_model("llama", "tiny", str(folder), tokenizer=tokenizer))
-
-
-# The embedded model's decode step autotunes for minutes in fp32: the default suite runs the
-# same checks on a random two-layer Llama.
-@pytest.mark.parametrize("model, kv_cache_dtype", [
-    ("tiny_llama", "auto"), slow("tiny_llama", "int8"), slow("model_path", "auto")])
-def test_a_compiled_model_answers_as_the_eager_one(model, kv_cache_dtype, request, capfd):
-    """300 prompt tokens take the compiled kernels, and the decode steps the compiled step
-    (`--compile on`: one graph for one sequence, one for several, a short prompt's padded
-    block table included); logits and greedy tokens match eager (fp32, where both compute the
-    same sums). With an int8 KV cache, eager decode attends over the dequantized blocks and
-    the compiled step's C++ operator over the int8 ones with their scales."""
-    from braid import LLM, SamplingParams
-
-    model_path = request.getfixturevalue(model)
-
-    prompt = [list(range(500, 800))]
-    several = [list(range(600 + 7 * i, 640 + 13 * i)) for i in range(3)] + [[5, 6, 7]]
-    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
-    results = {}
-    for mode in ("off", "on"):
-        with LLM(model_path, dtype="fp32", compile=mode, kv_cache_dtype=kv_cache_dtype) as llm:
-            results[mode] = (llm.prompt_logits(prompt)[0],
-                             llm.generate([prompt[0]], params)[0].token_ids,
-                             [out.token_ids for out in llm.generate(several, params)])
-    assert "decode step compiled" in capfd.readouterr().err
-    assert results["on"][1] == results["off"][1]
-    assert results["on"][2] == results["off"][2]
-    assert (results["on"][0] - results["off"][0]).abs().max() < 1e-3

@@ -16,8 +16,9 @@ graph holds the whole layer stack at tp 1, 2 or 3. Two kinds of compiled code:
   overlap) runs its operation list with each run of operations between two attention calls
   (`between_pieces`) compiled, token counts symbolic. Weights are graph inputs, so the graph
   of a piece serves every layer (regional compilation: the runs of a 30-layer model are 3
-  graphs, 5 under overlap, whose stages end at the yields); attention, which reads the step's
-  per-sequence metadata, runs eager between them.
+  graphs, 4 under overlap, whose stages end at the yields); attention, which reads the step's
+  per-sequence metadata, and the LM head over a step's varying logit rows run eager between
+  them.
 
 Neither freezes the weights into the graph: the decode graph is saved by dynamo's AOT compile
 (`torch.compile(...).aot_compile`), which cannot save frozen graphs, under braid's cache
@@ -52,9 +53,11 @@ from braid.layers.quant import Quantizable
 from braid.overlap.operations import YIELD, execute, is_between_pieces, split_stages
 
 # cpp_wrapper: the decode graph's kernels are called from generated C++, not Python (at batch 1
-# the Python wrapper's calls cost more than the kernels they run). assert_indirect_indexing
-# off: no bounds check per indexed load (token ids are checked when a request is added; slots
-# and block tables are the engine's own), 8-12% of decode attention.
+# the Python wrapper's calls cost more than the kernels they run); not where the graph holds
+# torch.distributed's functional collectives, which the C++ wrapper cannot call (their
+# process group argument). assert_indirect_indexing off: no bounds check per indexed load
+# (token ids are checked when a request is added; slots and block tables are the engine's
+# own), 8-12% of decode attention.
 _DECODE_INDUCTOR = {"cpp_wrapper": True, "assert_indirect_indexing": False}
 # Pieces keep the Python wrapper: a piece runs a few dozen kernels of a large step, and the C++
 # wrapper's compile took longer than its calls could save.
@@ -171,9 +174,10 @@ class CompiledDecodeStep:
     """`execute(operations, batch)` of a decode step as one saved, reloadable graph per shape
     class (one sequence, several), for the steps `handles` accepts."""
 
-    def __init__(self, model: nn.Module, cache_key: str) -> None:
+    def __init__(self, model: nn.Module, cache_key: str, cpp_wrapper: bool = True) -> None:
         self.model = model
         self.cache_key = cache_key
+        self.inductor = {**_DECODE_INDUCTOR, "cpp_wrapper": cpp_wrapper}
         self._graphs: dict[bool, Callable] = {}  # one sequence? -> compiled function
 
     @staticmethod
@@ -198,7 +202,7 @@ class CompiledDecodeStep:
             path = self._path(one_sequence)
             graph = _load(path, self.model)
             if graph is None:
-                graph = _aot_compile(_decode_logits, (self.model, batch), _DECODE_INDUCTOR)
+                graph = _aot_compile(_decode_logits, (self.model, batch), self.inductor)
                 _save(graph, path, self.model)
                 compiled += 1
             else:
