@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/braid generate --tp 2 --chat --temperature 0 --max-new-tokens 48 "What is the capital of France?"
+	$(BIN)/braid generate --tp 2 --chat --temperature 0 --max-new-tokens 48 "What is the capital of Japan?"
 
 serve: $(STAMP)
 	$(BIN)/braid serve --tp 2

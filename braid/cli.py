@@ -201,9 +201,15 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench_one_batch(args: argparse.Namespace) -> None:
-    from braid.bench.one_batch import run_bench_one_batch
+    from braid.bench.one_batch import OneBatch, run_bench_one_batch
 
-    run_bench_one_batch(args)
+    engine = EngineConfig(**{**engine_kwargs(args), "model": args.model or default_model_path()})
+    run_bench_one_batch(engine, OneBatch(
+        batch_size=args.batch_size, input_len=args.input_len, output_len=args.output_len,
+        backend=args.backend, result_file=args.result_file, warmup=args.warmup,
+        measure_exposed=args.measure_exposed, overlap_sweep=args.overlap_sweep,
+        compare_dp_linear=args.compare_dp_linear, sweep_batch_sizes=args.sweep_batch_sizes,
+        repeat=args.repeat))
 
 
 def cmd_bench_attention(args: argparse.Namespace) -> None:

@@ -63,7 +63,11 @@ def shm_segments_of(pid: int) -> list[str]:
 @contextmanager
 def braid_server(*args: str, log_dir: Path):
     """`braid serve ARGS` on a free port of 127.0.0.1, ready to answer; stopped afterwards
-    whatever happens."""
+    whatever happens. Without `--compile` in ARGS it serves eager: a server compiles the
+    embedded model's steps at start by default (minutes, cold), which the tests of the API do
+    not need (test_server's compiled-start test serves a small model with the default)."""
+    if "--compile" not in args:
+        args = (*args, "--compile", "off")
     port = free_port()
     log = log_dir / f"server-{port}.log"
     with open(log, "w") as out:

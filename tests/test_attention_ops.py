@@ -408,16 +408,19 @@ def test_decode_kernel_refuses_lengths_its_block_table_does_not_hold():
                                                  0.25)
 
 
-def test_a_decode_kernel_that_cannot_be_built_warns(monkeypatch):
-    """No compiler or no ninja: a warning, and the compiled step keeps the traced kernel."""
-    from braid.layers import decode_kernel
+def test_operators_that_cannot_be_built_warn(monkeypatch):
+    """No compiler or no ninja: a warning, and the callers take their fallbacks (the traced
+    decode kernel, ATen's norm, oneDNN's GEMMs on row-major weights, --comm torch)."""
+    from braid import native
 
-    def broken():
+    def broken(announce):
         raise RuntimeError("ninja is required to load C++ extensions")
 
-    monkeypatch.setattr(decode_kernel, "_build", broken)
-    with pytest.warns(UserWarning, match="decode step kernels not built.*ninja is required"):
-        assert decode_kernel.load.__wrapped__() is False
+    monkeypatch.setattr(native, "_build", broken)
+    monkeypatch.setattr(native, "_loaded", None)
+    with pytest.warns(UserWarning, match="C.. operators not built.*ninja is required"):
+        assert native.load() is False
+    assert native.load() is False  # decided once per process
 
 
 def test_a_nan_row_in_an_int8_cache_reads_back_as_nan():

@@ -40,12 +40,12 @@ def assert_user_error(result: subprocess.CompletedProcess, *phrases: str) -> Non
 def test_generate_tp2_json_answers_the_question():
     before = rank_processes()
     result = braid("generate", "--tp", "2", "--chat", "--temperature", "0",
-                   "--max-new-tokens", "24", "--json", "What is the capital of France?",
+                   "--max-new-tokens", "24", "--json", "What is the capital of Japan?",
                    "Say hello.")
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [r["prompt"] for r in rows] == ["What is the capital of France?", "Say hello."]
-    assert "Paris" in rows[0]["text"]
+    assert [r["prompt"] for r in rows] == ["What is the capital of Japan?", "Say hello."]
+    assert "Tokyo" in rows[0]["text"]
     assert all(isinstance(t, int) for r in rows for t in r["token_ids"])
     assert rank_processes() <= before
 
@@ -113,10 +113,16 @@ needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is No
 
 
 @pytest.mark.parametrize("backend_args", [
-    ["--tp", "2"], ["--backend", "hf"],
+    ["--model", "tiny_llama", "--tp", "2"], ["--backend", "hf"],
     pytest.param(["--backend", "llama.cpp"], marks=needs_llama_cpp)])
-def test_bench_one_batch_prints_sglang_lines_and_a_jsonl_row(backend_args, tmp_path: Path):
+def test_bench_one_batch_prints_sglang_lines_and_a_jsonl_row(backend_args, tmp_path: Path,
+                                                             request):
+    """braid's run (a random Llama, compiled in seconds) says which path its steps took:
+    compiled pieces for the prompts, the decode graph for the decode steps (the default
+    `--compile auto` compiles for a benchmark)."""
     result_file = tmp_path / "bench.jsonl"
+    backend_args = [request.getfixturevalue(a) if a == "tiny_llama" else a
+                    for a in backend_args]
     result = braid("bench-one-batch", "--batch-size", "2", "--input-len", "16",
                    "--output-len", "4", "--result-file", str(result_file), *backend_args)
     assert result.returncode == 0, result.stderr
@@ -130,18 +136,18 @@ def test_bench_one_batch_prints_sglang_lines_and_a_jsonl_row(backend_args, tmp_p
     assert row["batch_size"] == 2 and row["input_len"] == 16 and row["output_len"] == 4
     assert row["prefill_throughput"] > 0 and row["median_decode_throughput"] > 0
     assert "leaked semaphore" not in result.stderr  # the rank process's tqdm lock, once
+    if "--backend" not in backend_args:
+        assert (row["prefill_path"], row["decode_path"]) == ("pieces", "graph")
+        assert "(steps: graph)" in result.stdout
 
 
 def test_bench_one_batch_says_how_to_get_llama_cpp(monkeypatch):
     from braid.bench import llama_cpp
-    from braid.cli import build_parser
-    from braid.config import UserError
+    from braid.config import EngineConfig, UserError
 
     monkeypatch.setattr(llama_cpp.importlib.util, "find_spec", lambda name: None)
-    args = build_parser().parse_args(["bench-one-batch", "--backend", "llama.cpp",
-                                      "--model", __file__])
     with pytest.raises(UserError, match="needs llama-cpp-python: run `make bench-deps`"):
-        llama_cpp.LlamaCppWorkload(args, 1, 32)
+        llama_cpp.LlamaCppWorkload(EngineConfig(model=__file__), 1, 32)
 
 
 def test_torchrun_launch_matches_spawned_ranks():
@@ -159,7 +165,7 @@ def test_torchrun_launch_matches_spawned_ranks():
 def test_bench_overlap_modes_report_exposed_comm_and_crossover(tmp_path: Path):
     result_file = tmp_path / "overlap.jsonl"
     common = ["bench-one-batch", "--tp", "2", "--input-len", "16", "--output-len", "3",
-              "--warmup", "0", "--result-file", str(result_file)]
+              "--warmup", "0", "--compile", "off", "--result-file", str(result_file)]
     exposed = braid(*common, "--batch-size", "2", "--measure-exposed")
     assert exposed.returncode == 0, exposed.stderr
     assert "overlap efficiency" in exposed.stdout

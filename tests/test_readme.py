@@ -97,6 +97,10 @@ def environment() -> dict[str, str]:
 
 
 def start_server(command: str, sandbox: Path, servers: dict) -> None:
+    """Start a server block's command on a free port; without `--compile` it serves eager, as
+    `server_utils.braid_server` does (compiling the embedded model at start takes minutes)."""
+    if "--compile" not in command:
+        command += " --compile off"
     port = free_port()
     readme_port = DEFAULT_PORT
     match = re.search(r"--port (\d+)", command)

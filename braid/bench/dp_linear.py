@@ -18,6 +18,7 @@ import torch
 
 from braid.bench.one_batch import (
     BraidWorkload,
+    OneBatch,
     append_rows,
     base_row,
     fastest_by_mode,
@@ -26,6 +27,7 @@ from braid.bench.one_batch import (
 from braid.config import (
     DTYPES,
     SWITCH_CHOICES,
+    EngineConfig,
     UserError,
     load_model_config,
     resolve_comm,
@@ -38,26 +40,26 @@ from braid.distributed.shm import ShmCommunicator, ShmSegment, activation_slot_b
 from braid.layers.linear import DataParallelLinear
 
 
-def compare_dp_linear(args: argparse.Namespace, workload: BraidWorkload,
+def compare_dp_linear(engine: EngineConfig, bench: OneBatch, workload: BraidWorkload,
                       prompts: np.ndarray) -> list[dict]:
     """Each mode of `--compare-dp-linear` timed `--repeat` times, modes alternating; the
     fastest prefill and fastest median decode step of each mode count."""
-    modes = args.compare_dp_linear.split(",")
+    modes = bench.compare_dp_linear.split(",")
     bad = [m for m in modes if m not in SWITCH_CHOICES]
     if bad or len(modes) < 2:
         raise UserError(f"--compare-dp-linear takes two or more of "
                         f"{', '.join(SWITCH_CHOICES)}, comma-separated; got "
-                        f"{args.compare_dp_linear!r}")
+                        f"{bench.compare_dp_linear!r}")
     for mode in modes:
-        timed(workload, prompts, min(args.output_len, 4), 0, dp_linear=mode)  # warm-up
-    best = fastest_by_mode(workload, prompts, args.output_len, args.repeat, "dp_linear", modes)
-    bs, tokens = args.batch_size, args.batch_size * args.input_len
+        timed(workload, prompts, min(bench.output_len, 4), 0, dp_linear=mode)  # warm-up
+    best = fastest_by_mode(workload, prompts, bench.output_len, bench.repeat, "dp_linear", modes)
+    bs, tokens = bench.batch_size, bench.batch_size * bench.input_len
     first = modes[0]
-    print(f"\nDP linear: tp={args.tp} comm={args.comm} dtype={args.dtype} batch_size={bs} "
-          f"input_len={args.input_len} output_len={args.output_len} "
+    print(f"\nDP linear: tp={engine.tp} comm={engine.comm} dtype={engine.dtype} batch_size={bs} "
+          f"input_len={bench.input_len} output_len={bench.output_len} "
           f"dp_linear_min_tokens={workload.llm.config.dp_linear_min_tokens} "
           f"cores={len(usable_cores())} "
-          f"(fastest of {args.repeat})")
+          f"(fastest of {bench.repeat})")
     print(f"{'mode':>5} | {'prefill s':>10} {'tok/s':>9} {'x ' + first:>8} | "
           f"{'decode s':>9} {'tok/s':>8} {'x ' + first:>8}")
     rows = []
@@ -65,14 +67,14 @@ def compare_dp_linear(args: argparse.Namespace, workload: BraidWorkload,
         prefill, decode = best[mode]
         prefill_x = best[first][0] / prefill
         line = f"{mode:>5} | {prefill:10.4f} {tokens / prefill:9.1f} {prefill_x:7.3f}x | "
-        if args.output_len > 1:
+        if bench.output_len > 1:
             decode_x, decode_tps = best[first][1] / decode, bs / decode
             line += f"{decode:9.4f} {decode_tps:8.1f} {decode_x:7.3f}x"
         else:
             decode = decode_x = decode_tps = None
             line += f"{'-':>9} {'-':>8} {'-':>8}"
         print(line)
-        rows.append(base_row(args, dp_linear=mode, prefill_latency=prefill,
+        rows.append(base_row(engine, bench, dp_linear=mode, prefill_latency=prefill,
                              prefill_throughput=tokens / prefill, median_decode_latency=decode,
                              median_decode_throughput=decode_tps,
                              prefill_speedup_vs_first=prefill_x,

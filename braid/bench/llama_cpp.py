@@ -10,7 +10,6 @@ thread per usable core.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import importlib.util
 from pathlib import Path
@@ -18,20 +17,20 @@ from pathlib import Path
 import numpy as np
 
 from braid.bench.one_batch import BenchResult, RankWorkload, serve_runs, time_steps
-from braid.config import UserError, usable_cores
+from braid.config import EngineConfig, UserError, usable_cores
 
 
 class LlamaCppWorkload(RankWorkload):
     """Batches of up to `max_batch` prompts of up to `max_tokens` tokens (prompt and output)."""
 
-    def __init__(self, args: argparse.Namespace, max_batch: int, max_tokens: int) -> None:
-        if not Path(args.model).is_file():
-            raise UserError(f"--backend llama.cpp reads a GGUF file; {args.model} is not one")
+    def __init__(self, engine: EngineConfig, max_batch: int, max_tokens: int) -> None:
+        if not Path(engine.model).is_file():
+            raise UserError(f"--backend llama.cpp reads a GGUF file; {engine.model} is not one")
         if importlib.util.find_spec("llama_cpp") is None:
             raise UserError("--backend llama.cpp needs llama-cpp-python: run `make bench-deps` "
                             "(it compiles llama.cpp, several minutes)")
-        super().__init__("llama.cpp", args.tp, llama_cpp_worker,
-                         (args.model, max_batch, max_tokens))
+        super().__init__("llama.cpp", engine.tp, llama_cpp_worker,
+                         (engine.model, max_batch, max_tokens))
 
 
 def llama_cpp_worker(rank: int, world_size: int, conn, model: str, max_batch: int,

@@ -10,26 +10,41 @@ through llama.cpp on the same GGUF file (`braid.bench.llama_cpp`). The overlap m
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from braid.config import (
     DTYPES,
+    EngineConfig,
+    ModelConfig,
     UserError,
-    default_model_path,
     load_model_config,
-    resolve_comm,
-    resolve_dtype,
     usable_cores,
 )
 from braid.distributed.launch import RankGroup
+
+
+@dataclass(frozen=True)
+class OneBatch:
+    """What `braid bench-one-batch` runs beside the engine's settings (its own flags)."""
+
+    batch_size: int = 1
+    input_len: int = 1024
+    output_len: int = 16
+    backend: str = "braid"  # braid, hf or llama.cpp
+    result_file: str | None = None
+    warmup: int = 1
+    measure_exposed: bool = False
+    overlap_sweep: bool = False
+    compare_dp_linear: str | None = None
+    sweep_batch_sizes: str = "1,4,16,64"
+    repeat: int = 2
 
 
 @dataclass
@@ -89,19 +104,18 @@ class BraidWorkload:
     one launch can time several configurations side by side.
     """
 
-    def __init__(self, args: argparse.Namespace, max_batch: int, max_input: int,
+    def __init__(self, engine: EngineConfig, max_batch: int, max_input: int,
                  max_output: int) -> None:
-        from braid.cli import engine_kwargs
         from braid.engine.llm import LLM
 
-        kwargs = engine_kwargs(args)
         # The whole batch prefills in one step, as in SGLang's bench_one_batch; no prefix
         # cache, so repeated runs of the same prompts compute them again.
-        kwargs.update(
-            max_total_tokens=max(args.max_total_tokens, max_batch * (max_input + max_output + 16)),
-            max_num_batched_tokens=max(args.max_num_batched_tokens or 0, max_batch * max_input),
-            max_running_requests=max_batch, prefix_caching=False)
-        self.llm = LLM(**kwargs)
+        self.llm = LLM.from_config(replace(
+            engine,
+            max_total_tokens=max(engine.max_total_tokens,
+                                 max_batch * (max_input + max_output + 16)),
+            max_num_batched_tokens=max(engine.max_num_batched_tokens, max_batch * max_input),
+            max_running_requests=max_batch, prefix_caching=False))
         self.llm.core.compile_steps()  # a benchmark measures the steady state
 
     def run(self, prompts: np.ndarray, output_len: int, overlap: str | None = None,
@@ -161,8 +175,8 @@ def serve_runs(conn, time_run: Callable[[np.ndarray, int], BenchResult]) -> None
 class HFWorkload(RankWorkload):
     """Batches through Hugging Face transformers' dense model and its own KV cache."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__("hf", args.tp, hf_worker, (args.model, args.dtype))
+    def __init__(self, engine: EngineConfig) -> None:
+        super().__init__("hf", engine.tp, hf_worker, (engine.model, engine.dtype))
 
 
 def hf_worker(rank: int, world_size: int, conn, model: str, dtype: str) -> None:
@@ -207,19 +221,19 @@ def _path(path: str) -> str:
     return f" (steps: {path})" if path else ""
 
 
-def prepare(args: argparse.Namespace):
-    """Validate the flags, resolve `auto` values, and return the model config."""
+def check(engine: EngineConfig, bench: OneBatch) -> ModelConfig:
+    """Validate the settings; the model's config."""
     for flag in ("batch_size", "input_len", "output_len"):
-        if getattr(args, flag) < 1:
+        if getattr(bench, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
-    args.model = args.model or default_model_path()
-    args.dtype = resolve_dtype(args.dtype)
-    if args.comm == "auto":
-        args.comm = resolve_comm()
-    config = load_model_config(args.model)
-    if args.input_len + args.output_len > config.max_position_embeddings:
+    config = load_model_config(engine.model)
+    if bench.input_len + bench.output_len > config.max_position_embeddings:
         raise UserError(f"--input-len + --output-len exceeds the model's context of "
                         f"{config.max_position_embeddings} tokens")
+    if bench.backend != "braid" and (bench.overlap_sweep or bench.measure_exposed
+                                     or bench.compare_dp_linear):
+        raise UserError("--overlap-sweep, --measure-exposed and --compare-dp-linear measure "
+                        f"braid; drop --backend {bench.backend}")
     return config
 
 
@@ -243,16 +257,16 @@ def fastest_by_mode(workload: BraidWorkload, prompts: np.ndarray, output_len: in
     return best
 
 
-def base_row(args: argparse.Namespace, **fields) -> dict:
+def base_row(engine: EngineConfig, bench: OneBatch, **fields) -> dict:
     """The JSONL fields that describe a run's configuration."""
     # llama.cpp computes with the file's own weight types
-    dtype = "gguf" if args.backend == "llama.cpp" else args.dtype
-    row = {"backend": args.backend, "model": args.model, "tp": args.tp, "dtype": dtype,
-           "comm": args.comm, "overlap": args.overlap, "dp_linear": args.dp_linear,
-           "skip_comm": args.skip_comm, "quantization": args.quantization,
-           "kv_cache_dtype": args.kv_cache_dtype,
-           "batch_size": args.batch_size, "input_len": args.input_len,
-           "output_len": args.output_len, "cores": len(usable_cores())}
+    dtype = "gguf" if bench.backend == "llama.cpp" else engine.dtype
+    row = {"backend": bench.backend, "model": engine.model, "tp": engine.tp, "dtype": dtype,
+           "comm": engine.comm, "overlap": engine.overlap, "dp_linear": engine.dp_linear,
+           "skip_comm": engine.skip_comm, "quantization": engine.quantization,
+           "kv_cache_dtype": engine.kv_cache_dtype, "compile": engine.compile,
+           "batch_size": bench.batch_size, "input_len": bench.input_len,
+           "output_len": bench.output_len, "cores": len(usable_cores())}
     row.update(fields)
     return row
 
@@ -260,7 +274,8 @@ def base_row(args: argparse.Namespace, **fields) -> dict:
 def print_header(row: dict) -> None:
     """One line naming the configuration of the run printed below it."""
     print(f"Benchmark: backend={row['backend']} tp={row['tp']} dtype={row['dtype']} "
-          f"comm={row['comm']} overlap={row['overlap']} dp_linear={row['dp_linear']}"
+          f"comm={row['comm']} overlap={row['overlap']} dp_linear={row['dp_linear']} "
+          f"compile={row['compile']}"
           f"{' skip_comm' if row['skip_comm'] else ''}"
           f"{' quantization=int8' if row['quantization'] == 'int8' else ''}"
           f"{' kv_cache_dtype=int8' if row['kv_cache_dtype'] == 'int8' else ''}"
@@ -276,42 +291,38 @@ def append_rows(path: str | None, rows: list[dict]) -> None:
                 f.write(json.dumps(row) + "\n")
 
 
-def run_bench_one_batch(args: argparse.Namespace) -> list[dict]:
-    """Run the benchmark as the CLI flags say; print SGLang's lines; append JSONL rows."""
-    config = prepare(args)
-    if args.backend != "braid" and (args.overlap_sweep or args.measure_exposed
-                                    or args.compare_dp_linear):
-        raise UserError("--overlap-sweep, --measure-exposed and --compare-dp-linear measure "
-                        f"braid; drop --backend {args.backend}")
-    if args.overlap_sweep:
+def run_bench_one_batch(engine: EngineConfig, bench: OneBatch) -> list[dict]:
+    """Run the benchmark; print SGLang's lines; append JSONL rows."""
+    config = check(engine, bench)
+    if bench.overlap_sweep:
         from braid.bench.overlap import run_overlap_sweep
 
-        return run_overlap_sweep(args, config)
-    prompts = random_prompts(args.batch_size, args.input_len, config.vocab_size)
-    if args.backend == "hf":
-        workload = HFWorkload(args)
-    elif args.backend == "llama.cpp":
+        return run_overlap_sweep(engine, bench, config)
+    prompts = random_prompts(bench.batch_size, bench.input_len, config.vocab_size)
+    if bench.backend == "hf":
+        workload = HFWorkload(engine)
+    elif bench.backend == "llama.cpp":
         from braid.bench.llama_cpp import LlamaCppWorkload
 
-        workload = LlamaCppWorkload(args, args.batch_size, args.input_len + args.output_len)
+        workload = LlamaCppWorkload(engine, bench.batch_size, bench.input_len + bench.output_len)
     else:
-        workload = BraidWorkload(args, args.batch_size, args.input_len, args.output_len)
+        workload = BraidWorkload(engine, bench.batch_size, bench.input_len, bench.output_len)
     try:
-        if args.measure_exposed:
+        if bench.measure_exposed:
             from braid.bench.overlap import measure_exposed
 
-            rows = measure_exposed(args, workload, prompts)
-        elif args.compare_dp_linear:
+            rows = measure_exposed(engine, bench, workload, prompts)
+        elif bench.compare_dp_linear:
             from braid.bench.dp_linear import compare_dp_linear
 
-            rows = compare_dp_linear(args, workload, prompts)
+            rows = compare_dp_linear(engine, bench, workload, prompts)
         else:
-            result = timed(workload, prompts, args.output_len, args.warmup)
-            row = base_row(args)
+            result = timed(workload, prompts, bench.output_len, bench.warmup)
+            row = base_row(engine, bench)
             print_header(row)
-            row.update(print_result(result, args.batch_size, args.input_len, args.output_len))
+            row.update(print_result(result, bench.batch_size, bench.input_len, bench.output_len))
             rows = [row]
     finally:
         workload.close()
-    append_rows(args.result_file, rows)
+    append_rows(bench.result_file, rows)
     return rows

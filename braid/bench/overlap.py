@@ -9,12 +9,11 @@
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
 from braid.bench.one_batch import (
     BraidWorkload,
+    OneBatch,
     append_rows,
     base_row,
     fastest_by_mode,
@@ -23,19 +22,21 @@ from braid.bench.one_batch import (
     random_prompts,
     timed,
 )
+from braid.config import EngineConfig, ModelConfig
 
 
-def measure_exposed(args: argparse.Namespace, workload: BraidWorkload,
+def measure_exposed(engine: EngineConfig, bench: OneBatch, workload: BraidWorkload,
                     prompts: np.ndarray) -> list[dict]:
     """Overlap off/on x with/without collectives on one launch; rows for off and on."""
     timings = {}
     for overlap in ("off", "on"):
         for skip in (False, True):
-            result = timed(workload, prompts, args.output_len, args.warmup, overlap=overlap,
+            result = timed(workload, prompts, bench.output_len, bench.warmup, overlap=overlap,
                            skip_comm=skip)
-            row = base_row(args, overlap=overlap, skip_comm=skip)
+            row = base_row(engine, bench, overlap=overlap, skip_comm=skip)
             print_header(row)
-            row.update(print_result(result, args.batch_size, args.input_len, args.output_len))
+            row.update(print_result(result, bench.batch_size, bench.input_len,
+                                    bench.output_len))
             timings[overlap, skip] = (result.latencies(), row)
     rows = []
     exposed = {}
@@ -51,12 +52,12 @@ def measure_exposed(args: argparse.Namespace, workload: BraidWorkload,
                    exposed_share_decode=exposed_decode / decode if decode else 0.0)
         rows.append(row)
     off, on = rows
-    phases = [("prefill", 0), ("decode", 1)] if args.output_len > 1 else [("prefill", 0)]
+    phases = [("prefill", 0), ("decode", 1)] if bench.output_len > 1 else [("prefill", 0)]
     for phase, i in phases:
         base = exposed["off"][i]
         on[f"overlap_efficiency_{phase}"] = 1 - exposed["on"][i] / base if base > 0 else None
     on["prefill_speedup"] = off["prefill_latency"] / on["prefill_latency"]
-    if args.output_len > 1:
+    if bench.output_len > 1:
         on["decode_speedup"] = off["median_decode_latency"] / on["median_decode_latency"]
     print("\nExposed communication (T - T_skip_comm):")
     for phase, _ in phases:
@@ -82,24 +83,24 @@ def _crossover(points: list[dict]) -> int:
     return threshold
 
 
-def run_overlap_sweep(args: argparse.Namespace, config) -> list[dict]:
+def run_overlap_sweep(engine: EngineConfig, bench: OneBatch, config: ModelConfig) -> list[dict]:
     """Overlap off/on/auto over batch sizes for prefill and decode, on one launch.
 
     At each point the three modes run back to back (auto with the configured
     `--overlap-min-tokens`), so the comparison is not skewed by the host drifting between
     passes; the crossover found over all points is printed as the threshold to set.
     """
-    sizes = [int(b) for b in args.sweep_batch_sizes.split(",")]
-    workload = BraidWorkload(args, max(sizes), args.input_len, args.output_len)
+    sizes = [int(b) for b in bench.sweep_batch_sizes.split(",")]
+    workload = BraidWorkload(engine, max(sizes), bench.input_len, bench.output_len)
     min_tokens = workload.llm.config.overlap_min_tokens  # the backend's default if not given
     points = []
     try:
         for bs in sizes:
-            prompts = random_prompts(bs, args.input_len, config.vocab_size)
-            timed(workload, prompts, min(args.output_len, 4), 1)  # warm this shape up
-            best = fastest_by_mode(workload, prompts, args.output_len, args.repeat, "overlap",
+            prompts = random_prompts(bs, bench.input_len, config.vocab_size)
+            timed(workload, prompts, min(bench.output_len, 4), 1)  # warm this shape up
+            best = fastest_by_mode(workload, prompts, bench.output_len, bench.repeat, "overlap",
                                    ["off", "on", "auto"])
-            for kind, i, tokens in (("prefill", 0, bs * args.input_len), ("decode", 1, bs)):
+            for kind, i, tokens in (("prefill", 0, bs * bench.input_len), ("decode", 1, bs)):
                 points.append({"kind": kind, "batch_size": bs, "tokens": tokens,
                                **{mode: best[mode][i] for mode in ("off", "on", "auto")}})
             print(f"batch {bs:4d}: " + "; ".join(
@@ -108,9 +109,9 @@ def run_overlap_sweep(args: argparse.Namespace, config) -> list[dict]:
     finally:
         workload.close()
     threshold = _crossover(points)
-    print(f"\nOverlap sweep: tp={args.tp} comm={args.comm} dtype={args.dtype} "
-          f"input_len={args.input_len} overlap_min_tokens={min_tokens} "
-          f"(prefill step / median decode step, fastest of {args.repeat})")
+    print(f"\nOverlap sweep: tp={engine.tp} comm={engine.comm} dtype={engine.dtype} "
+          f"input_len={bench.input_len} overlap_min_tokens={min_tokens} "
+          f"(prefill step / median decode step, fastest of {bench.repeat})")
     print(f"{'kind':>8} {'batch':>6} {'tokens':>7} | {'off s':>9} {'on s':>9} {'on/off':>7} | "
           f"{'auto s':>9} {'auto/best':>9}")
     rows = []
@@ -119,9 +120,9 @@ def run_overlap_sweep(args: argparse.Namespace, config) -> list[dict]:
         print(f"{p['kind']:>8} {p['batch_size']:6d} {p['tokens']:7d} | {p['off']:9.4f} "
               f"{p['on']:9.4f} {p['off'] / p['on']:6.3f}x | {p['auto']:9.4f} "
               f"{p['auto'] / best_time:8.3f}x")
-        rows.append(base_row(args, **p, overlap_min_tokens=min_tokens,
+        rows.append(base_row(engine, bench, **p, overlap_min_tokens=min_tokens,
                              crossover_tokens=threshold, auto_over_best=p["auto"] / best_time))
     print(f"\ncrossover: overlap pays from {threshold} tokens per step here; "
           f"set --overlap-min-tokens {threshold} (with --overlap auto)")
-    append_rows(args.result_file, rows)
+    append_rows(bench.result_file, rows)
     return rows

@@ -5,7 +5,9 @@ once for `inf`), at most `--max-concurrency` in flight, each a streamed `/v1/com
 with `ignore_eos` so outputs have the requested lengths. Per request: TTFT (to the first chunk
 with text), ITL (between chunks with text), TPOT = (latency - TTFT) / (tokens - 1), E2E latency.
 The result block and the JSON line use SGLang's labels and key names; failed requests are
-counted and the first error printed, never dropped.
+counted and the first error printed, never dropped. Against a braid server, the steps the run
+caused are counted by the path they took (`/metrics`: compiled decode graph, compiled pieces,
+eager), so a figure never silently comes from the slow path.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -286,11 +289,33 @@ def print_result(config: ServingConfig, metrics: dict) -> None:
     line("Peak concurrent requests:", metrics["max_concurrent_requests"])
     line("Total token throughput (tok/s):", metrics["total_throughput"])
     line("Concurrency:", metrics["concurrency"])
+    if "steps_by_path" in metrics:  # a braid server's steps during the run (warm-up included)
+        line("Engine steps by path:", ", ".join(
+            f"{path} {count}" for path, count in metrics["steps_by_path"].items()) or "none")
     section("End-to-End Latency", "e2e_latency", "E2E Latency")
     section("Time to First Token", "ttft", "TTFT")
     section("Time per Output Token (excl. 1st token)", "tpot", "TPOT")
     section("Inter-Token Latency", "itl", "ITL")
     print("=" * 50)
+
+
+_STEP_PATH_LINE = re.compile(r'^braid:engine_steps_by_path_total\{path="([^"]+)"\} (\S+)$')
+
+
+def step_paths(base_url: str) -> dict[str, float] | None:
+    """A braid server's steps so far by path (`/metrics`); None for other servers."""
+    try:
+        with httpx.Client(timeout=10) as client:
+            response = client.get(f"{base_url}/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    counts = {}
+    for line in response.text.splitlines():
+        if match := _STEP_PATH_LINE.match(line):
+            counts[match.group(1)] = float(match.group(2))
+    return counts if "braid:engine_steps" in response.text else None
 
 
 def run_bench_serving(config: ServingConfig) -> dict:
@@ -313,12 +338,18 @@ def run_bench_serving(config: ServingConfig) -> dict:
                                dataset_path=config.dataset_path, seed=config.seed)
     print(f"#Input tokens: {sum(r.prompt_len for r in requests)}")
     print(f"#Output tokens: {sum(r.output_len for r in requests)}")
+    paths_before = step_paths(config.base_url)
     results, duration = asyncio.run(run_requests(config, model, requests))
+    paths_after = step_paths(config.base_url)
     failures = [r for r in results if not r.success]
     if failures:
         print(f"{len(failures)} of {len(results)} requests failed; the first error:\n"
               f"{failures[0].error}", file=sys.stderr)
     metrics = compute_metrics(results, duration, tokenizer)
+    if paths_before is not None and paths_after is not None:
+        metrics["steps_by_path"] = {path: int(count - paths_before.get(path, 0))
+                                    for path, count in sorted(paths_after.items())
+                                    if count > paths_before.get(path, 0)}
     print_result(config, metrics)
     if config.plot:
         from braid.bench.plots import plot_serving_run

@@ -47,8 +47,18 @@ class LLM:
 
     def __init__(self, model: str | None = None, tp: int = 1, dtype: str = "auto",
                  **engine_args) -> None:
-        self.config = EngineConfig(model=model or default_model_path(), tp=tp, dtype=dtype,
-                                   **engine_args)
+        self._start(EngineConfig(model=model or default_model_path(), tp=tp, dtype=dtype,
+                                 **engine_args))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An engine with these settings (as `LLM(**fields)` would make them)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.config = config
         self.model_config = load_model_config(self.config.model, self.config.cache)
         executor = RankExecutor(self.config, self.model_config)
         try:

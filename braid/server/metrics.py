@@ -44,6 +44,12 @@ class Metrics:
                                            registry=r),
         }
         self._last = dict.fromkeys(self._totals, 0)
+        self.steps_by_path = Counter("braid:engine_steps_by_path",
+                                     "Forward steps by the path they took: graph (the compiled "
+                                     "decode graph), pieces (compiled between eager attention "
+                                     "calls) or eager; +overlap for two micro-batches",
+                                     ["path"], registry=r)
+        self._last_paths: dict[str, int] = {}
         self.prompt_tokens = Counter("braid:prompt_tokens", "Prompt tokens received",
                                      registry=r)
         self.generation_tokens = Counter("braid:generation_tokens", "Tokens generated",
@@ -70,6 +76,9 @@ class Metrics:
             value = getattr(stats, name)
             counter.inc(value - self._last[name])
             self._last[name] = value
+        for path, value in stats.steps_by_path.items():
+            self.steps_by_path.labels(path=path).inc(value - self._last_paths.get(path, 0))
+            self._last_paths[path] = value
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
