@@ -19,6 +19,8 @@ import psutil
 import pytest
 from server_utils import braid_server, shm_segments_of
 
+from braid.cache import cache_root
+
 KEY = "test-key"
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,"]
 
@@ -319,10 +321,15 @@ def test_a_dead_rank_ends_the_server_within_10s(tmp_path):
 
 
 def test_a_server_compiles_its_steps_at_start_and_loads_them_the_next_time(tiny_llama,
-                                                                          tmp_path):
+                                                                          tmp_path,
+                                                                          monkeypatch):
     """The default `--compile auto`: the first start compiles the decode graphs and pieces
     (saying so), steps then take the compiled paths (`/metrics`); a second start of the same
     model loads the saved graphs instead of compiling them."""
+    # A braid cache of this test's own (the session's may hold this model's graphs, saved by
+    # the parity tests); inductor's kernels stay shared, as they only make the compile faster.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     with braid_server("--model", tiny_llama, "--tp", "2", "--compile", "auto",
                       log_dir=tmp_path) as server:
         for prompt in PROMPTS:  # prompts (pieces), then decode steps (the graph)

@@ -52,21 +52,21 @@ from braid.layers.attention import PagedAttention
 from braid.layers.quant import Quantizable
 from braid.overlap.operations import YIELD, execute, is_between_pieces, split_stages
 
-# cpp_wrapper: the decode graph's kernels are called from generated C++, not Python (at batch 1
-# the Python wrapper's calls cost more than the kernels they run); not where the graph holds
-# torch.distributed's functional collectives, which the C++ wrapper cannot call (their
-# process group argument). assert_indirect_indexing off: no bounds check per indexed load
-# (token ids are checked when a request is added; slots and block tables are the engine's
-# own), 8-12% of decode attention.
-_DECODE_INDUCTOR = {"cpp_wrapper": True, "assert_indirect_indexing": False}
-# Pieces keep the Python wrapper: a piece runs a few dozen kernels of a large step, and the C++
-# wrapper's compile took longer than its calls could save.
-_PIECE_INDUCTOR = {"assert_indirect_indexing": False}
+# Set once in a rank process (`configure_compiler`), for every graph it compiles:
+# assert_indirect_indexing off: no bounds check per indexed load (token ids are checked when a
+# request is added; slots and block tables are the engine's own), 8-12% of decode attention.
+_INDUCTOR = {"assert_indirect_indexing": False}
 # Floats a step reads (the norms' epsilon) are constants of the graph, not inputs made into
 # tensors on every call. Nothing a step varies is a float: sampling runs outside the graph.
-# Regional compilation keeps one entry per piece kind and row-count class per code object:
-# more than dynamo's default of 8.
-_DYNAMO = {"specialize_float": True, "recompile_limit": 64, "accumulated_recompile_limit": 512}
+# A piece kind keeps a graph per row-count class, and a state that differs between layers'
+# pieces (the first layer's, the last's) adds one: more than dynamo's default of 8.
+_DYNAMO = {"specialize_float": True, "recompile_limit": 32, "accumulated_recompile_limit": 512}
+# The decode graph's kernels are called from generated C++, not Python (at batch 1 the Python
+# wrapper's calls cost more than the kernels they run), except where the graph holds
+# torch.distributed's functional collectives, which the C++ wrapper cannot call (their process
+# group argument). Pieces keep the Python wrapper: a piece runs a few dozen kernels of a large
+# step, and the C++ wrapper's compile took longer than its calls could save.
+_CPP_WRAPPER = {"cpp_wrapper": True}
 # The rows the graph for several sequences is traced at: a typical decode batch.
 WARM_UP_ROWS = 16
 
@@ -92,10 +92,19 @@ def auto_compile_pays(job_tokens: int, cached: bool) -> bool:
     return job_tokens >= AUTO_COMPILE_MIN_TOKENS[cached]
 
 
-def configure_caches() -> None:
+def use_braid_cache_for_inductor() -> None:
     """Keep inductor's compiled kernels under braid's cache (beside the saved graphs that name
-    them) unless the user chose a folder; a rank process calls this before compiling."""
+    them) unless the user chose a folder: for this process and those it starts."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+
+
+def configure_compiler() -> None:
+    """The compiler settings of every graph braid compiles in this process (a rank's)."""
+    use_braid_cache_for_inductor()
+    for key, value in _INDUCTOR.items():
+        setattr(torch._inductor.config, key, value)
+    for key, value in _DYNAMO.items():
+        setattr(torch._dynamo.config, key, value)
 
 
 def use_decode_kernels(model: nn.Module, gemv: bool = True) -> None:
@@ -177,7 +186,7 @@ class CompiledDecodeStep:
     def __init__(self, model: nn.Module, cache_key: str, cpp_wrapper: bool = True) -> None:
         self.model = model
         self.cache_key = cache_key
-        self.inductor = {**_DECODE_INDUCTOR, "cpp_wrapper": cpp_wrapper}
+        self.cpp_wrapper = cpp_wrapper
         self._graphs: dict[bool, Callable] = {}  # one sequence? -> compiled function
 
     @staticmethod
@@ -202,7 +211,7 @@ class CompiledDecodeStep:
             path = self._path(one_sequence)
             graph = _load(path, self.model)
             if graph is None:
-                graph = _aot_compile(_decode_logits, (self.model, batch), self.inductor)
+                graph = _aot_compile(_decode_logits, (self.model, batch), self.cpp_wrapper)
                 _save(graph, path, self.model)
                 compiled += 1
             else:
@@ -225,12 +234,12 @@ def _decode_logits(model: nn.Module, batch: ForwardBatch) -> torch.Tensor:
     return execute(model.operations(), batch)["logits"]
 
 
-def _aot_compile(function: Callable, example: tuple, inductor: dict) -> Callable:
+def _aot_compile(function: Callable, example: tuple, cpp_wrapper: bool) -> Callable:
     """`function` compiled for inputs like `example`, never run. Without guards: the graph is
     called only for steps of its shape class (`CompiledDecodeStep.handles`) of the model it was
     traced on, and a guard on the model's objects could not be saved (the shm communicator
     holds its mapping)."""
-    with torch._inductor.config.patch(inductor), torch._dynamo.config.patch(_DYNAMO):
+    with torch._inductor.config.patch(_CPP_WRAPPER if cpp_wrapper else {}):
         compiler = torch.compile(function, fullgraph=True, dynamic=True,
                                  options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
         return compiler.aot_compile((example, {}))
@@ -300,9 +309,7 @@ class CompiledPieces:
                                                               dynamic=True)
 
         def piece(state, batch) -> None:
-            with (torch._inductor.config.patch(_PIECE_INDUCTOR),
-                  torch._dynamo.config.patch(_DYNAMO)):
-                runner(modules, state, batch)
+            runner(modules, state, batch)
 
         piece.__name__ = "+".join(f.__name__ for f in functions)
         return piece
@@ -317,6 +324,10 @@ def _piece_runner(functions: tuple[Callable, ...]) -> Callable:
     def run(modules: tuple, state, batch) -> None:
         for function, module in zip(functions, modules):
             function(module, state, batch)
+
+    # A code object of its own: dynamo keeps its graphs per code object and checks their guards
+    # in turn at every call, so kinds sharing one would check each other's first.
+    run.__code__ = run.__code__.replace()
     return run
 
 

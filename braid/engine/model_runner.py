@@ -15,6 +15,7 @@ from braid.engine.compiled_step import (
     CompiledPieces,
     CompileStatus,
     compile_applies,
+    configure_compiler,
     eager_decode_reads_kernel,
     elapsed,
     graph_cache_key,
@@ -120,12 +121,14 @@ class ModelRunner:
         if self.decode_graph is not None:
             return "compiled steps ready"
         start = time.perf_counter()
+        configure_compiler()
         mark_static(self.model)
         decode = self._decode_step()
         block_size = self.engine.block_size
         loaded, compiled = decode.prepare({
             one: ForwardBatch(plan, block_size, self.device)
             for one, plan in warm_up_plans(block_size).items()})
+        decode_s = time.perf_counter() - start
         pieces = CompiledPieces(self.operations)
         # One step per row-count class of the GEMMs (packed weights up to PACKED_MAX_ROWS)
         tokens = [64] if PACKED_MAX_ROWS is None else [64, PACKED_MAX_ROWS + 64]
@@ -141,7 +144,7 @@ class ModelRunner:
                 cache[0].zero_()
         self.decode_graph, self.pieces = decode, pieces
         return (f"compiled steps ready in {elapsed(start)}: decode graphs {loaded} loaded, "
-                f"{compiled} compiled; {pieces.graphs} kinds of pieces")
+                f"{compiled} compiled ({decode_s:.0f} s); {pieces.graphs} kinds of pieces")
 
     def _allocate_kv_cache(self, tokens_innermost: bool) -> None:
         """`tokens_innermost`: the decode operator's layout (`PagedAttention` only)."""

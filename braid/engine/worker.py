@@ -7,7 +7,7 @@ from multiprocessing.connection import Connection
 from braid.config import EngineConfig, ModelConfig
 from braid.distributed.comm import SwitchableCommunicator, TorchCommunicator
 from braid.distributed.shm import ShmCommunicator, ShmSegment
-from braid.engine.compiled_step import configure_caches
+from braid.engine.compiled_step import configure_compiler
 from braid.engine.model_runner import ModelRunner
 from braid.overlap.trace import enable_tracing
 
@@ -32,7 +32,7 @@ def worker_main(rank: int, world_size: int, conn: Connection, engine: EngineConf
     """Rank entry point (run by `RankGroup`): every rank answers "ready" with its
     `CompileStatus`; rank 0 answers steps and "compile" (`ModelRunner.prepare_compiled`), which
     every rank runs at the same point."""
-    configure_caches()
+    configure_compiler()
     comm = make_communicator(engine, rank, world_size, segment)
     runner = ModelRunner(engine, config, comm)
     trace = enable_tracing(rank) if engine.trace else None
