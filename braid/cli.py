@@ -76,16 +76,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "oneDNN's blocked copy (which makes GEMMs of up to 256 rows, "
                              "decode, about 1.4x faster, and costs the weights' memory again)")
     parser.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
-                        help="fuse each rank's elementwise work (RMSNorm, rotary, SiLU) with "
-                             "torch.compile for steps of 128 tokens or more: on (compiled at "
-                             "start, and at tp 1 on CPU the whole decode step too, a few "
-                             "minutes), off, or auto (CPU: compiled at the first such step)")
+                        help="compiled steps at any tp (CPU, Llama): each decode step as one "
+                             "saved graph, prompt and mixed steps as compiled pieces between "
+                             "attention calls. auto: `serve` compiles (or loads) them at start, "
+                             "generate/LLM when the job repays it; on: always at start; off: "
+                             "eager")
     parser.add_argument("--no-cache", dest="cache", action="store_false",
-                        help="neither read nor write braid's cache of what is derived from a "
-                             "GGUF file (config, tokenizer, dequantised weights; kept under "
-                             "$XDG_CACHE_HOME/braid). torch keeps its own builds of compiled "
-                             "kernels ($TORCH_EXTENSIONS_DIR or $XDG_CACHE_HOME/"
-                             "torch_extensions, /tmp/torchinductor_$USER)")
+                        help="neither read nor write braid's cache ($XDG_CACHE_HOME/braid): "
+                             "what is derived from a GGUF file (config, tokenizer, dequantised "
+                             "weights) and the saved decode graphs. The C++ operators' build "
+                             "(native/) and inductor's kernels (inductor/) stay cached there")
     parser.add_argument("--device", default="cpu",
                         help="cpu, or cuda (rank r uses cuda:r; collectives via NCCL)")
     parser.add_argument("--trace", default=None, metavar="FILE.json",

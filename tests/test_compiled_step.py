@@ -76,6 +76,23 @@ def test_warm_up_plans_are_decode_steps_in_block_zero():
             assert (plan.slot_mapping < block_size).all() and (plan.block_tables == 0).all()
 
 
+def test_without_the_cache_decode_graphs_are_compiled_and_never_saved(tiny_model, monkeypatch,
+                                                                     tmp_path):
+    """`--no-cache` (no cache key): both graphs compiled, nothing read or written; with a key
+    the same step would have been saved under the cache root."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    traced = []
+    monkeypatch.setattr(compiled_step, "_aot_compile",
+                        lambda function, example, cpp_wrapper: traced.append(example) or function)
+    step = CompiledDecodeStep(tiny_model, None)
+    batches = {one: ForwardBatch(plan, 16, "cpu") for one, plan in warm_up_plans(16).items()}
+    assert not step.cached()
+    assert step.prepare(batches) == (0, 2)
+    assert step.ready and len(traced) == 2
+    assert not any(tmp_path.rglob("*.bin"))
+    assert CompiledDecodeStep(tiny_model, "key")._path(True).is_relative_to(tmp_path)
+
+
 def test_decode_block_tables_are_never_narrower_than_the_traced_width():
     """A 3-token sequence's decode step is padded to DECODE_MIN_BLOCKS blocks (masked), so the
     compiled graph's symbolic width serves it instead of compiling a graph for width 1."""

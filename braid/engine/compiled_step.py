@@ -181,9 +181,10 @@ def _tensors(value: object) -> list[torch.Tensor]:
 
 class CompiledDecodeStep:
     """`execute(operations, batch)` of a decode step as one saved, reloadable graph per shape
-    class (one sequence, several), for the steps `handles` accepts."""
+    class (one sequence, several), for the steps `handles` accepts. `cache_key` None
+    (`--no-cache`): compiled at every start, never saved."""
 
-    def __init__(self, model: nn.Module, cache_key: str, cpp_wrapper: bool = True) -> None:
+    def __init__(self, model: nn.Module, cache_key: str | None, cpp_wrapper: bool = True) -> None:
         self.model = model
         self.cache_key = cache_key
         self.cpp_wrapper = cpp_wrapper
@@ -209,23 +210,27 @@ class CompiledDecodeStep:
         loaded = compiled = 0
         for one_sequence, batch in batches.items():
             path = self._path(one_sequence)
-            graph = _load(path, self.model)
+            graph = None if path is None else _load(path, self.model)
             if graph is None:
                 graph = _aot_compile(_decode_logits, (self.model, batch), self.cpp_wrapper)
-                _save(graph, path, self.model)
+                if path is not None:
+                    _save(graph, path, self.model)
                 compiled += 1
             else:
                 loaded += 1
             self._graphs[one_sequence] = graph
         return loaded, compiled
 
-    def _path(self, one_sequence: bool) -> Path:
+    def _path(self, one_sequence: bool) -> Path | None:
+        if self.cache_key is None:
+            return None
         return cache_root() / "compiled" / self.cache_key / (
             "decode-one.bin" if one_sequence else "decode-several.bin")
 
     def cached(self) -> bool:
         """Whether both graphs are in the cache (a warm start loads them in seconds)."""
-        return all(self._path(one).is_file() for one in (True, False))
+        paths = [self._path(one) for one in (True, False)]
+        return all(path is not None and path.is_file() for path in paths)
 
 
 def _decode_logits(model: nn.Module, batch: ForwardBatch) -> torch.Tensor:

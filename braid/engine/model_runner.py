@@ -107,7 +107,7 @@ class ModelRunner:
 
     def _decode_step(self) -> CompiledDecodeStep:
         key = graph_cache_key(self.engine, self.engine.model, self.comm.rank,
-                              self.comm.world_size, self._packed)
+                              self.comm.world_size, self._packed) if self.engine.cache else None
         torch_collectives = self.comm.world_size > 1 and self.engine.comm == "torch"
         return CompiledDecodeStep(self.model, key, cpp_wrapper=not torch_collectives)
 

@@ -152,19 +152,13 @@ def configure_compile(mode: str, device: str = "cpu", announce: bool = False) ->
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * x / rms(x)`, computed in fp32 and cast back (as Hugging Face Llama does).
 
-    On CPU, for float32 and bf16, this is `decode_kernel`'s C++ operator wherever the library
-    is built (`csrc/residual.cpp`, one pass per row, rounded once as the compiled formula is)
-    at any number of rows: one core of a 2-core Zen 4 host, bf16 rows of 576, took 2.6 us at
-    one row and 6.1 at 32 against eager's 16 and 27, and beat the compiled kernel too (17
-    against 50 us at 128 rows, 0.47 against 0.75 ms at 4,096)."""
-    if not torch.compiler.is_compiling():
-        # Once a frozen graph (the compiled decode step) has read a parameter, dynamo treats
-        # it as a constant: passed as itself, each layer's weight would compile a kernel of
-        # its own until the recompile limit (8), and the rest would run eager. A detached
-        # view is a plain tensor input.
-        weight = weight.detach()
-        if _native_fits(x, weight):
-            return torch.ops.braid.rms_norm(x.contiguous(), weight, eps)
+    Eager on CPU, for float32 and bf16, this is braid's C++ operator (`csrc/rms_norm.cpp`, one
+    pass per row, rounded once as the compiled formula is) at any number of rows: one core of a
+    2-core Zen 4 host, bf16 rows of 576, took 2.6 us at one row and 6.1 at 32 against eager's 16
+    and 27, and beat the compiled kernel too (17 against 50 us at 128 rows, 0.47 against 0.75 ms
+    at 4,096). In a compiled graph inductor fuses the formula with its neighbours instead."""
+    if not torch.compiler.is_compiling() and _native_fits(x, weight):
+        return torch.ops.braid.rms_norm(x.contiguous(), weight, eps)
     return _kernels.pick("rms_norm", x.shape[0])(x, weight, eps)
 
 
@@ -181,7 +175,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _native_fits(*tensors: torch.Tensor) -> bool:
-    """Whether `decode_kernel`'s elementwise operators take these tensors: built, on CPU,
+    """Whether braid's C++ elementwise operators take these tensors: built, on CPU,
     float32 or bf16, all of one dtype."""
     first = tensors[0]
     return (_kernels.native and first.device.type == "cpu" and first.dtype in _NATIVE_DTYPES
