@@ -80,7 +80,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "saved graph, prompt and mixed steps as compiled pieces between "
                              "attention calls. auto: `serve` compiles (or loads) them at start, "
                              "generate/LLM when the job repays it; on: always at start; off: "
-                             "eager")
+                             "eager. Eager steps of 128+ tokens fuse their elementwise work "
+                             "unless off")
     parser.add_argument("--no-cache", dest="cache", action="store_false",
                         help="neither read nor write braid's cache ($XDG_CACHE_HOME/braid): "
                              "what is derived from a GGUF file (config, tokenizer, dequantised "

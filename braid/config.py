@@ -17,8 +17,8 @@ DTYPE_CHOICES = ["auto", *DTYPES]
 COMM_CHOICES = ["auto", "shm", "torch"]
 # Per-step optimisations (--overlap, --dp-linear): always, never, or from a token count.
 SWITCH_CHOICES = ["auto", "on", "off"]
-# --compile: torch.compile of the per-rank elementwise work (see braid.layers.fused) and, with
-# `on`, of the decode step (braid.engine.compiled_step).
+# --compile: compiled steps (braid.engine.compiled_step) and, in steps that run eager, the
+# per-rank elementwise work fused by torch.compile (braid.layers.fused).
 COMPILE_CHOICES = ["auto", "on", "off"]
 # --kv-cache-dtype: the model's dtype (auto), or int8 with one scale per token and KV head
 # (half the cache's bytes in bf16; braid.layers.attention's write_cache and gather_blocks).
@@ -31,8 +31,8 @@ DP_LINEAR_MIN_TOKENS = {"cpu": 32, "cuda": 4096}
 # `--overlap auto` from this many tokens per step, by collective backend. Measured on the
 # 2-core CPU host (`bench-one-batch --overlap-sweep`, tp 2, prompts of 512, off and on
 # interleaved, best of 5): over gloo overlap hides enough to pay from 512 tokens (1.28x at
-# 512, 1.21x at 1024, 1.06x at 4096 and 8192); over shm the zero-copy block sums leave only
-# the ranks' skew to hide, and two half-size micro-batches cost more than that (0.84x at 1024,
+# 512, 1.21x at 1024, 1.06x at 4096 and 8192); over shm the block sums leave only the
+# ranks' skew to hide, and two half-size micro-batches cost more than that (0.84x at 1024,
 # 0.87x at 2048, 0.92x at 4096, 0.98x at 8192; 0.96x at 16384 in an earlier sweep), so auto
 # never splits over shm below 32768 tokens a step. NCCL keeps the earlier shared default
 # (not measured: one GPU here).
@@ -62,6 +62,14 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+def isa_flags() -> list[str]:
+    """The CPU's vector and matrix ISA extensions, sorted: what code compiled with
+    `-march=native` (braid's operators, inductor's kernels) may use, so what a build kept on
+    disk must match."""
+    return sorted(f for f in cpu_flags()
+                  if f.startswith(("avx", "amx", "fma", "f16c", "bmi", "sse", "ssse")))
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 GEMMs natively (AVX512-BF16 or AMX); else bf16 is emulated
     and several times slower than fp32."""
@@ -73,8 +81,8 @@ SHM_NEEDS_TSO = ("--comm shm relies on x86 total store order, which this CPU doe
 
 
 def host_has_total_store_order() -> bool:
-    """Whether stores become visible to other cores in program order (x86's TSO), which the shm
-    backend's fence-free publishing relies on."""
+    """Whether stores become visible to other cores in program order (x86's TSO): the shm
+    backend was written for it and is offered only there."""
     return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
@@ -249,8 +257,8 @@ class EngineConfig:
     quantization: str = "none"  # "int8": int8 weight copies for GEMMs of few rows
     kv_cache_dtype: str = "auto"  # "int8": keys and values as int8 with a scale per token, head
     weight_packing: bool = True  # oneDNN-blocked bf16 linear weights on CPU (braid.layers.quant)
-    # torch.compile of the elementwise work: auto (CPU, lazily), on (at start, and the decode
-    # step at tp 1 on CPU: braid.engine.compiled_step), off
+    # compiled steps (braid.engine.compiled_step) and fused elementwise kernels in eager steps
+    # (braid.layers.fused): auto (serve at start, generate when the job repays it), on, off
     compile: str = "auto"
 
     def __post_init__(self) -> None:

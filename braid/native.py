@@ -28,8 +28,6 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("paged_decode_attention.cpp", "gemv.cpp", "prefill_attention.cpp", "rms_norm.cpp",
-            "packed_linear.cpp", "shm_ring.cpp")
 # torch's vector ISA (what at::vec compiles to) -> the macro that selects it
 _CAPABILITY_MACROS = {"AVX512": ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
                       "AVX2": ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]}
@@ -39,12 +37,13 @@ _NAME = "braid_native"
 def build_dir() -> Path:
     """Where the library for this torch, ISA and these sources is built and kept."""
     from braid.cache import cache_root
+    from braid.config import isa_flags
 
     capability = torch.backends.cpu.get_cpu_capability()
     digest = hashlib.sha256()
     for name in sorted(os.listdir(CSRC)):
         digest.update(name.encode() + (CSRC / name).read_bytes())
-    digest.update(" ".join(_cflags()).encode())
+    digest.update(" ".join([*_cflags(), *isa_flags()]).encode())
     base = os.environ.get("TORCH_EXTENSIONS_DIR") or str(cache_root() / "native")
     return Path(base) / f"torch-{torch.__version__}-{capability}-{digest.hexdigest()[:16]}"
 
@@ -89,7 +88,8 @@ def _build(announce: bool) -> None:
               "minute on 2 cores)", file=sys.stderr, flush=True)
     start = time.perf_counter()
     folder.mkdir(parents=True, exist_ok=True)
-    load_extension(_NAME, [str(CSRC / name) for name in _SOURCES], extra_cflags=_cflags(),
+    sources = [str(path) for path in sorted(CSRC.glob("*.cpp"))]
+    load_extension(_NAME, sources, extra_cflags=_cflags(),
                    extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)],
                    build_directory=str(folder), is_python_module=False)
     if fresh and announce:

@@ -113,7 +113,8 @@ needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is No
 
 
 @pytest.mark.parametrize("backend_args", [
-    ["--model", "tiny_llama", "--tp", "2"], ["--backend", "hf"],
+    ["--model", "tiny_llama", "--tp", "2"],
+    pytest.param(["--backend", "hf"], marks=pytest.mark.slow),
     pytest.param(["--backend", "llama.cpp"], marks=needs_llama_cpp)])
 def test_bench_one_batch_prints_sglang_lines_and_a_jsonl_row(backend_args, tmp_path: Path,
                                                              request):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from braid.config import load_model_config
+from braid.config import cpu_flags, load_model_config
 from braid.distributed.comm import SkipCommunicator
 from braid.engine import compiled_step
 from braid.engine.batch import ForwardBatch
@@ -56,7 +56,7 @@ def test_the_operation_list_becomes_pieces_between_attention_calls(tiny_model):
     assert staged[:6] == ["embed_op+qkv_op", "attend_op", "attention_output_op", YIELD,
                           "mlp_op", YIELD]
     assert staged[-2:] == ["logits_op", YIELD]
-    assert pieces.graphs == 3 + 4 - 1  # the first piece is the same in both
+    assert pieces.kinds == 3 + 4 - 1  # the first piece is the same in both
 
 
 def test_compile_pays_for_long_jobs_and_sooner_when_saved():
@@ -136,7 +136,7 @@ def test_decode_attention_uses_the_kernel_where_the_cache_fits_it(tiny_model):
             attn.use_decode_kernel = False
 
 
-needs_avx512_bf16 = pytest.mark.skipif("avx512_bf16" not in compiled_step.cpu_flags(),
+needs_avx512_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
                                        reason="the GEMV operator needs AVX512-BF16")
 
 

@@ -46,16 +46,17 @@ def test_compiled_kernels_equal_eager(kernels, dtype):
                                    atol=tolerance, rtol=tolerance)
 
 
-def test_weights_a_frozen_graph_has_read_share_one_compiled_norm(kernels):
-    """Freezing (the compiled decode step) marks the parameters it reads as guarded
-    constants; the prompt steps' norms must still share one graph across layers."""
+def test_weights_marked_static_share_one_compiled_norm(kernels):
+    """The compiled steps mark the model's tensors static (`compiled_step.mark_static`); the
+    norms of steps that run eager (compiled elementwise) must still share one graph across
+    layers."""
     fused.configure_compile("on")
     kernels.native = False  # the compiled norm, as where the C++ one is not built (CUDA, fp16)
     x = torch.randn(fused.COMPILED_MIN_TOKENS, 576).bfloat16()
     weights = [torch.nn.Parameter(torch.randn(576).bfloat16(), requires_grad=False)
                for _ in range(3)]
     for weight in weights:
-        torch._dynamo.mark_static_address(weight, guard=True)  # what freezing leaves behind
+        torch._dynamo.mark_static(weight)
     frames = torch._dynamo.utils.counters["frames"]
     with torch.inference_mode():
         compiled = []

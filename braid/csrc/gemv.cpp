@@ -1,5 +1,5 @@
 // y = x W^T for one bf16 row x and a row-major weight W, bf16 or int8 with a scale per output
-// row: the compiled decode step's GEMMs at batch 1 (braid/layers/decode_kernel.py builds this
+// row: the compiled decode step's GEMMs at batch 1 (braid/native.py builds this
 // file with the attention operator).
 //
 // At one row a linear layer is a stream of its weight. Here each thread takes a contiguous

@@ -1,5 +1,5 @@
 // Decode attention over braid's paged KV cache, for the compiled decode step on CPU
-// (braid/layers/decode_kernel.py builds it on first use, for the host's ISA).
+// (braid/native.py builds it once, for the host's ISA).
 //
 // Why not inductor's code for the same reductions (`traced_decode_attention`): it sums each
 // score as one vector accumulator over head_dim (a chain of dependent adds), reloads the keys

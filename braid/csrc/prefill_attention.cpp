@@ -1,6 +1,6 @@
 // Causal prefill attention in bf16 on CPUs with AMX, through oneDNN's batch-reduce GEMM
 // (at::native::cpublas::brgemm, which ATen's flash attention calls too); built with the
-// decode operators (braid/layers/decode_kernel.py). Registered on every CPU; where the
+// decode operators (braid/native.py). Registered on every CPU; where the
 // compiler does not target AVX512-BF16 it raises instead of computing.
 //
 // Why not SDPA's CPU kernel: for bf16 it runs a GEMM per block of 64 queries against up to

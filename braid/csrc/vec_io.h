@@ -1,5 +1,5 @@
 // Loads and stores of float32, bf16 and fp16 elements as float32 vectors (at::vec), n at a time
-// (n <= the vector length), for the one-pass elementwise operators (residual.cpp, shm_ring.cpp).
+// (n <= the vector length), for the one-pass elementwise operators (rms_norm.cpp, shm_ring.cpp).
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>

@@ -30,7 +30,8 @@ Pending = tuple[torch.Tensor, ...]
 class Communicator(ABC):
     """Collectives across the ranks of one tensor-parallel group.
 
-    Backends implement the `_post_*` / `_finish_*` pairs and `_gather_to_first`; the public
+    Backends implement the `_post_*` / `_finish_*` pairs and `_all_gather` (`_gather_to_first`
+    defaults to a gather that every rank but the first discards); the public
     methods add tracing and the one-rank shortcut (no copy, nothing to wait for).
     """
 

@@ -8,8 +8,8 @@ Every rank posts and waits in the same program order, so every rank picks the sa
 - `post`: wait until every rank has released the slot's previous use, copy this rank's data
   into its slot, then publish k in the slot's header.
 - `wait`: spin until every rank has published k, reduce (or gather) all ranks' slots into the
-  output, then release the slot by writing k as this rank's consumed mark. `wait_add` sums the
-  slots straight into the new residual. A gather to rank 0 (the logits) has the other ranks
+  output, then release the slot by writing k as this rank's consumed mark. A block's sum takes the
+  residual too and writes the new residual. A gather to rank 0 (the logits) has the other ranks
   release their chunk as soon as it is posted; rank 0's release still guards its reuse.
 
 A slot still held by a posted, unwaited operation (the other micro-batch's all-reduce under
@@ -198,8 +198,7 @@ class ShmCommunicator(Communicator):
             residual = residual.contiguous()
         return torch.ops.braid.shm_all_reduce(ticket, x, residual, self.sequence, self.ring)
 
-    def _post_gather(self, x: torch.Tensor) -> Pending:
-        return self._post(x), x
+    _post_gather = _post_reduce
 
     def _finish_gather(self, pending: Pending) -> torch.Tensor:
         ticket, x = pending

@@ -24,8 +24,9 @@ Neither freezes the weights into the graph: the decode graph is saved by dynamo'
 (`torch.compile(...).aot_compile`), which cannot save frozen graphs, under braid's cache
 (`compiled/`, keyed by braid's code, torch, the model file, the rank and what shapes the graph;
 inductor's own cache of the kernels lies beside it, `inductor/`), so a warm start loads the
-graphs in seconds and compiles nothing. Packed oneDNN weights reach graphs by name
-(`quant.packed_linear`). Measured figures: docs/benchmarks.md, "Compiled steps at every tp".
+graphs in seconds and compiles nothing. Packed oneDNN weights reach graphs by number
+(`quant.packed_linear`). Measured figures: docs/benchmarks.md, "Xeon with AMX: compiled steps at
+every tp".
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import torch._inductor.config
 from torch import nn
 
 from braid.cache import cache_root, code_version
-from braid.config import EngineConfig, cpu_flags
+from braid.config import EngineConfig, isa_flags
 from braid.engine.batch import DECODE_MIN_BLOCKS, ForwardBatch, StepPlan
 from braid.layers import decode_kernel
 from braid.layers.attention import PagedAttention
@@ -83,7 +84,7 @@ class CompileStatus:
 # `--compile auto` compiles for a job of at least this many tokens to generate (`generate`,
 # `LLM.generate`), by whether the graphs are saved: loading them and compiling the pieces took
 # about 10 s, which compiled decode steps save back within a few hundred tokens; compiling
-# cold took minutes (figures: docs/benchmarks.md, "Compiled steps at every tp").
+# cold took minutes (figures: docs/benchmarks.md, "Xeon with AMX: compiled steps at every tp").
 AUTO_COMPILE_MIN_TOKENS = {True: 512, False: 16384}
 
 
@@ -92,15 +93,11 @@ def auto_compile_pays(job_tokens: int, cached: bool) -> bool:
     return job_tokens >= AUTO_COMPILE_MIN_TOKENS[cached]
 
 
-def use_braid_cache_for_inductor() -> None:
-    """Keep inductor's compiled kernels under braid's cache (beside the saved graphs that name
-    them) unless the user chose a folder: for this process and those it starts."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
-
-
 def configure_compiler() -> None:
-    """The compiler settings of every graph braid compiles in this process (a rank's)."""
-    use_braid_cache_for_inductor()
+    """The compiler settings of every graph braid compiles in this process (a rank's).
+    Inductor's compiled kernels are kept under braid's cache (beside the saved graphs that name
+    them) unless the user chose a folder."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     for key, value in _INDUCTOR.items():
         setattr(torch._inductor.config, key, value)
     for key, value in _DYNAMO.items():
@@ -258,8 +255,9 @@ def _save(graph, path: Path, model: nn.Module) -> None:
     try:
         graph.save_compiled_function(str(tmp), external_data={"model": model})
         os.replace(tmp, path)
-    except OSError as e:
-        warnings.warn(f"cannot save a compiled graph under {path.parent} ({e})", stacklevel=3)
+    except Exception as e:  # noqa: BLE001 - a graph that cannot be saved is only not cached
+        warnings.warn(f"cannot save a compiled graph under {path.parent} "
+                      f"({type(e).__name__}: {e})", stacklevel=3)
         tmp.unlink(missing_ok=True)
 
 
@@ -320,7 +318,7 @@ class CompiledPieces:
         return piece
 
     @property
-    def graphs(self) -> int:
+    def kinds(self) -> int:
         """Distinct pieces (each one graph, more where token counts cross a GEMM's limit)."""
         return len(self._runners)
 
@@ -368,22 +366,28 @@ def piece_warm_up_plans(block_size: int, tokens: Sequence[int]) -> list[StepPlan
 
 
 def graph_cache_key(engine: EngineConfig, model_path: str, rank: int, world_size: int,
-                    packed: bool) -> str:
-    """What a saved graph depends on beyond its code: braid's code, torch, the host's ISA, the
-    model file, the rank's place and every engine setting that shapes the graph."""
-    source = Path(model_path).resolve()
-    stat = source.stat()
+                    packed: bool, kv_blocks: int) -> str:
+    """What a saved graph depends on beyond its code: braid's code, torch, the host's ISA and
+    threads, the model's files, the rank's place and every engine setting that shapes the
+    graph (the KV cache's size is a constant of it)."""
     identity = {
         "braid": code_version(), "torch": torch.__version__,
-        "isa": torch.backends.cpu.get_cpu_capability(),
-        "flags": sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16"))),
-        "model": [str(source), stat.st_size, stat.st_mtime_ns],
+        "isa": torch.backends.cpu.get_cpu_capability(), "flags": isa_flags(),
+        "threads": torch.get_num_threads(), "model": _file_identity(Path(model_path)),
         "rank": rank, "world_size": world_size, "comm": engine.comm, "dtype": engine.dtype,
         "kv_cache_dtype": engine.kv_cache_dtype, "quantization": engine.quantization,
-        "block_size": engine.block_size, "packed": packed,
+        "block_size": engine.block_size, "kv_blocks": kv_blocks, "packed": packed,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
 
 
+def _file_identity(path: Path) -> list:
+    """Path, size and modification time of a model file, or of every file in a model folder."""
+    path = path.resolve()
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+
+
 def elapsed(start: float) -> str:
+    """Seconds since `start` (a `time.perf_counter()`), for a progress line."""
     return f"{time.perf_counter() - start:.0f} s"

@@ -22,11 +22,7 @@ from braid.config import EngineConfig, ModelConfig, UserError, auto_switch
 from braid.distributed.launch import check_not_bootstrapping, launch_ranks
 from braid.distributed.shm import ShmSegment, activation_slot_bytes
 from braid.engine.batch import StepPlan, StepResult
-from braid.engine.compiled_step import (
-    CompileStatus,
-    auto_compile_pays,
-    use_braid_cache_for_inductor,
-)
+from braid.engine.compiled_step import CompileStatus, auto_compile_pays
 from braid.engine.kv_cache import BlockManager
 from braid.engine.plan import build_plan
 from braid.engine.request import Request, SamplingParams, Sequence, SequenceDelta
@@ -76,7 +72,6 @@ class RankExecutor:
             prepare_gguf_weights(config.model, model_config, config.torch_dtype)
         if config.device == "cpu":
             native.load(announce=True)  # built once, here, so that no rank waits on the build
-            use_braid_cache_for_inductor()  # the ranks inherit it
         segment = None
         if config.comm == "shm" and config.tp > 1:
             segment = ShmSegment.create(config.tp, slot_bytes=activation_slot_bytes(

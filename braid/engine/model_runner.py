@@ -106,8 +106,10 @@ class ModelRunner:
                              self.not_compiled is None and self._decode_step().cached())
 
     def _decode_step(self) -> CompiledDecodeStep:
+        kv_blocks = num_kv_blocks(self.engine.max_total_tokens, self.engine.block_size)
         key = graph_cache_key(self.engine, self.engine.model, self.comm.rank,
-                              self.comm.world_size, self._packed) if self.engine.cache else None
+                              self.comm.world_size, self._packed, kv_blocks
+                              ) if self.engine.cache else None
         torch_collectives = self.comm.world_size > 1 and self.engine.comm == "torch"
         return CompiledDecodeStep(self.model, key, cpp_wrapper=not torch_collectives)
 
@@ -121,6 +123,9 @@ class ModelRunner:
         if self.decode_graph is not None:
             return "compiled steps ready"
         start = time.perf_counter()
+        # The graphs hold the real collectives whatever the last step skipped (--skip-comm): a
+        # graph traced over the no-op ones would be saved and loaded by later launches.
+        self.comm.skip = False
         configure_compiler()
         mark_static(self.model)
         decode = self._decode_step()
@@ -130,8 +135,11 @@ class ModelRunner:
             for one, plan in warm_up_plans(block_size).items()})
         decode_s = time.perf_counter() - start
         pieces = CompiledPieces(self.operations)
-        # One step per row-count class of the GEMMs (packed weights up to PACKED_MAX_ROWS)
-        tokens = [64] if PACKED_MAX_ROWS is None else [64, PACKED_MAX_ROWS + 64]
+        # One step per row-count class of the GEMMs (packed weights up to PACKED_MAX_ROWS) that
+        # the step budget reaches, and one of a single row, which dynamo specialises (a
+        # one-token prompt)
+        tokens = [1, 64] if PACKED_MAX_ROWS is None else [1, 64, PACKED_MAX_ROWS + 64]
+        tokens = [n for n in tokens if n <= max(64, self.engine.max_num_batched_tokens)]
         overlap = self.engine.overlap != "off"
         with self.comm.long_timeout(COMPILE_COMM_TIMEOUT_S):
             for plan in piece_warm_up_plans(block_size, tokens):
@@ -144,7 +152,7 @@ class ModelRunner:
                 cache[0].zero_()
         self.decode_graph, self.pieces = decode, pieces
         return (f"compiled steps ready in {elapsed(start)}: decode graphs {loaded} loaded, "
-                f"{compiled} compiled ({decode_s:.0f} s); {pieces.graphs} kinds of pieces")
+                f"{compiled} compiled ({decode_s:.0f} s); {pieces.kinds} kinds of pieces")
 
     def _allocate_kv_cache(self, tokens_innermost: bool) -> None:
         """`tokens_innermost`: the decode operator's layout (`PagedAttention` only)."""

@@ -86,7 +86,7 @@ class _Kernels:
         self.announce = False
         self.compiled: dict[str, Callable] | None = None
         self.failed = False
-        self.native = False  # whether `decode_kernel`'s operators are built (CPU)
+        self.native = False  # whether braid's C++ operators are built (CPU)
 
     def configure(self, mode: str, device: str, announce: bool) -> None:
         if mode not in COMPILE_CHOICES:

@@ -77,8 +77,7 @@ class Quantizable:
     # The number oneDNN's blocked copy of the weight (kept beside the row-major one) is
     # registered under for `packed_linear` (`pack_linear_layers`), as a one-element tensor
     packed: torch.Tensor | None = None
-    # False where other code reads the weight as a matrix (MLA's kv_b_proj), or where the
-    # row-major weight is the faster GEMM operand (the LM head under tensor parallelism)
+    # False where other code reads the weight as a matrix (MLA's kv_b_proj)
     packable = True
     # Set by the compiled decode step where `decode_kernel.gemv_fits` the weight its one-row
     # GEMM reads (int8 or dense): that GEMM is then braid's GEMV operator

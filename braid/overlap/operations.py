@@ -1,7 +1,7 @@
 """Models as flat lists of operations with yield points, run straight or as two micro-batches.
 
 A layer exposes `operations()`: callables `op(state, batch)` and `YIELD` markers. An operation
-that launches a collective stores its handle in the micro-batch's `State`; the first operation
+that launches a collective stores its `Pending` in the micro-batch's `State`; the first operation
 after the next `YIELD` waits on it. `execute` ignores the yields (the plain forward pass);
 `execute_overlapped` runs stage k of micro-batch A, then stage k of B, then stage k+1 of A, so
 A's collective is in flight while B computes, and the other way round.

@@ -43,13 +43,13 @@ class Metrics:
                                            "Steps with token-split replicated projections",
                                            registry=r),
         }
-        self._last = dict.fromkeys(self._totals, 0)
+        # The engine reports running totals; counters grow by the change since the last report
+        self._last: dict[str, int] = {}
         self.steps_by_path = Counter("braid:engine_steps_by_path",
                                      "Forward steps by the path they took: graph (the compiled "
                                      "decode graph), pieces (compiled between eager attention "
                                      "calls) or eager; +overlap for two micro-batches",
                                      ["path"], registry=r)
-        self._last_paths: dict[str, int] = {}
         self.prompt_tokens = Counter("braid:prompt_tokens", "Prompt tokens received",
                                      registry=r)
         self.generation_tokens = Counter("braid:generation_tokens", "Tokens generated",
@@ -73,12 +73,13 @@ class Metrics:
         if stats.prefix_cache_queries:
             self.prefix_hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries)
         for name, counter in self._totals.items():
-            value = getattr(stats, name)
-            counter.inc(value - self._last[name])
-            self._last[name] = value
+            self._add_since_last(counter, name, getattr(stats, name))
         for path, value in stats.steps_by_path.items():
-            self.steps_by_path.labels(path=path).inc(value - self._last_paths.get(path, 0))
-            self._last_paths[path] = value
+            self._add_since_last(self.steps_by_path.labels(path=path), f"path:{path}", value)
+
+    def _add_since_last(self, counter, key: str, total: int) -> None:
+        counter.inc(total - self._last.get(key, 0))
+        self._last[key] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
