@@ -136,9 +136,11 @@ class ModelRunner:
         decode_s = time.perf_counter() - start
         pieces = CompiledPieces(self.operations)
         # One step per row-count class of the GEMMs (packed weights up to PACKED_MAX_ROWS) that
-        # the step budget reaches, and one of a single row, which dynamo specialises (a
-        # one-token prompt)
-        tokens = [1, 64] if PACKED_MAX_ROWS is None else [1, 64, PACKED_MAX_ROWS + 64]
+        # the step budget reaches. Not one of a single row, which dynamo specialises: a
+        # one-token prompt is rare, and its pieces compile when it comes (both ranks at once,
+        # so neither waits on the other past its collective timeout); warming it up cost 3-5 s
+        # of every start.
+        tokens = [64] if PACKED_MAX_ROWS is None else [64, PACKED_MAX_ROWS + 64]
         tokens = [n for n in tokens if n <= max(64, self.engine.max_num_batched_tokens)]
         overlap = self.engine.overlap != "off"
         with self.comm.long_timeout(COMPILE_COMM_TIMEOUT_S):
