@@ -330,10 +330,10 @@ def test_a_server_compiles_its_steps_at_start_and_loads_them_the_next_time(tiny_
     # the parity tests); inductor's kernels stay shared, as they only make the compile faster.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    # fp32, as test_compiled_parity's tp 2 launch (inductor finds its kernels), and a step
-    # budget under the large GEMMs' row class (fewer pieces to compile)
+    # One rank (test_compiled_parity compiles tp 2 and 3), in fp32 as its tp 1 launch (inductor
+    # finds its kernels), and a step budget under the large GEMMs' row class (fewer pieces)
     budget = ("--dtype", "fp32", "--max-num-batched-tokens", "256")
-    with braid_server("--model", tiny_llama, "--tp", "2", "--compile", "auto", *budget,
+    with braid_server("--model", tiny_llama, "--compile", "auto", *budget,
                       log_dir=tmp_path) as server:
         for prompt in PROMPTS:  # prompts (pieces), then decode steps (the graph)
             response = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
@@ -345,6 +345,6 @@ def test_a_server_compiles_its_steps_at_start_and_loads_them_the_next_time(tiny_
         assert re.search(r'^braid:engine_steps_by_path_total\{path="pieces"\} ([1-9]\d*)',
                          text, re.MULTILINE)
         assert "decode graphs 0 loaded, 2 compiled" in server.output()
-    with braid_server("--model", tiny_llama, "--tp", "2", "--compile", "auto", *budget,
+    with braid_server("--model", tiny_llama, "--compile", "auto", *budget,
                       log_dir=tmp_path) as server:
         assert "decode graphs 2 loaded, 0 compiled" in server.output()
