@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -103,9 +104,12 @@ class ModelRunner:
     def compile_status(self) -> CompileStatus:
         """Whether steps can be compiled here, and whether the graphs are saved already."""
         return CompileStatus(self.not_compiled,
-                             self.not_compiled is None and self._decode_step().cached())
+                             self.not_compiled is None and self._decode_step.cached())
 
+    @functools.cached_property
     def _decode_step(self) -> CompiledDecodeStep:
+        """The decode graphs' holder, keyed once (the key hashes braid's code and the model's
+        files) for the status and the compile."""
         kv_blocks = num_kv_blocks(self.engine.max_total_tokens, self.engine.block_size)
         key = graph_cache_key(self.engine, self.engine.model, self.comm.rank,
                               self.comm.world_size, self._packed, kv_blocks
@@ -128,7 +132,7 @@ class ModelRunner:
         self.comm.skip = False
         configure_compiler()
         mark_static(self.model)
-        decode = self._decode_step()
+        decode = self._decode_step
         block_size = self.engine.block_size
         loaded, compiled = decode.prepare({
             one: ForwardBatch(plan, block_size, self.device)
