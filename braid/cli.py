@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import warnings
+from pathlib import Path
 
 from braid.config import (
     COMM_CHOICES,
@@ -46,6 +48,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running-requests", type=int,
                         default=EngineConfig.max_running_requests,
                         help="most sequences decoding at once")
+    parser.add_argument("--max-skip-age", dest="max_skip_age_s", type=float,
+                        default=EngineConfig.max_skip_age_s, metavar="S",
+                        help="a waiting prompt too big for the free KV cache is overtaken by "
+                             "smaller ones for at most S seconds, then admission waits for it")
     parser.add_argument("--no-prefix-cache", dest="prefix_caching", action="store_false",
                         help="do not share the KV blocks of prompts that start alike")
     parser.add_argument("--overlap", choices=SWITCH_CHOICES, default="auto",
@@ -101,7 +107,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_total_tokens=args.max_total_tokens,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_running_requests=args.max_running_requests,
-                prefix_caching=args.prefix_caching,
+                max_skip_age_s=args.max_skip_age_s, prefix_caching=args.prefix_caching,
                 overlap=args.overlap, overlap_min_tokens=args.overlap_min_tokens,
                 tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
                 dp_linear=args.dp_linear, dp_linear_min_tokens=args.dp_linear_min_tokens,
@@ -127,13 +133,48 @@ def cmd_generate(args: argparse.Namespace) -> None:
             print(out.text.strip() if len(outputs) == 1 else f"[{out.prompt}] {out.text.strip()}")
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The server's key: --api-key, the first line of --api-key-file, or $BRAID_API_KEY."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise UserError("give --api-key or --api-key-file, not both")
+    key = args.api_key
+    if args.api_key_file is not None:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as e:
+            raise UserError(f"--api-key-file: {e}") from None
+    if key is None:
+        key = os.environ.get("BRAID_API_KEY") or None
+    if key is not None and (not key or any(c.isspace() for c in key)):
+        raise UserError("the API key must be one word without spaces")
+    return key
+
+
+# `braid serve`'s request limits (`RequestLimits` fields) and what each bounds.
+LIMIT_FLAGS = {
+    "max_request_bytes": "largest request body; beyond, 413 before it is parsed",
+    "max_sequences_per_request": "most completions (prompts x n) one request may ask for",
+    "max_queued_sequences": "most sequences waiting for admission; beyond, 429 with Retry-After",
+    "max_stop_strings": "most stop strings a request may give",
+    "max_stop_string_chars": "longest stop string, in characters",
+    "max_token_ids": "most entries of stop_token_ids and of logit_bias",
+}
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from braid.server.async_engine import EngineDead
+    from braid.server.protocol import RequestLimits
     from braid.server.serve import ServeSettings, run_server
 
+    try:
+        limits = RequestLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS})
+    except ValueError as e:
+        raise UserError(str(e)) from None
     settings = ServeSettings(host=args.host, port=args.port,
-                             served_model_name=args.served_model_name, api_key=args.api_key,
-                             log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
+                             served_model_name=args.served_model_name, api_key=api_key(args),
+                             api_key_all_routes=args.api_key_all_routes,
+                             log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
+                             limits=limits, report_cached_tokens=args.report_cached_tokens)
     config = EngineConfig(**{**engine_kwargs(args), "model": args.model or default_model_path()})
     try:
         return run_server(config, settings)
@@ -264,7 +305,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None,
                        help="the model's name in the API (default: the checkpoint's name)")
     serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+                       help="require 'Authorization: Bearer KEY' on every route but /health "
+                            "and /metrics (visible in ps: prefer --api-key-file or "
+                            "$BRAID_API_KEY)")
+    serve.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="read the API key from this file")
+    serve.add_argument("--api-key-all-routes", action="store_true",
+                       help="require the key on /health and /metrics too")
+    serve.add_argument("--no-cached-tokens", dest="report_cached_tokens", action="store_false",
+                       help="leave usage.prompt_tokens_details.cached_tokens out of responses "
+                            "(it tells a client which of its prompt blocks others sent)")
+    from braid.server.protocol import RequestLimits
+
+    limits = RequestLimits()
+    for flag, help_text in LIMIT_FLAGS.items():
+        serve.add_argument("--" + flag.replace("_", "-"), type=int,
+                           default=getattr(limits, flag), metavar="N",
+                           help=f"{help_text} (default %(default)s)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",

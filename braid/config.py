@@ -245,6 +245,8 @@ class EngineConfig:
     block_size: int = 16
     max_num_batched_tokens: int | None = None  # None: the device's default
     max_running_requests: int = 256
+    # A waiting sequence that does not fit is overtaken by smaller ones for at most this long
+    max_skip_age_s: float = 10.0
     prefix_caching: bool = True
     seed: int = 0
     overlap: str = "auto"
@@ -305,6 +307,8 @@ class EngineConfig:
                             f"got {self.kv_cache_dtype!r}")
         if self.max_running_requests < 1:
             raise UserError("--max-running-requests must be at least 1")
+        if not self.max_skip_age_s >= 0:
+            raise UserError("--max-skip-age must be >= 0 seconds")
         if self.max_total_tokens < self.block_size * 2:
             raise UserError("--max-total-tokens is too small to hold one block of KV cache")
 

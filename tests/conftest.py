@@ -7,9 +7,12 @@ import json
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -146,3 +149,27 @@ def tiny_llama(tmp_path_factory, tokenizer) -> str:
 
     folder = tmp_path_factory.mktemp("tiny-llama") / "model"
     return str(make_random_model("llama", "tiny", str(folder), tokenizer=tokenizer))
+
+
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """One `braid serve --tp 2 --api-key API_KEY` for every test of the API (eager steps).
+    Overlap from 1024 tokens (shm's default is above any CPU step), so long prompts run the
+    overlapped path through the server. At the end of the session it must stop on SIGTERM
+    with exit code 0, its engine and ranks gone and no shared memory left."""
+    from server_utils import braid_server, shm_segments_of
+
+    with braid_server("--tp", "2", "--api-key", API_KEY, "--overlap-min-tokens", "1024",
+                      log_dir=tmp_path_factory.mktemp("server")) as server:
+        yield server
+        engine, ranks = server.engine_and_ranks()
+        assert len(ranks) == 2
+        assert server.stop(signal.SIGTERM) == 0, server.output()
+        assert not shm_segments_of(engine.pid)
+        time.sleep(0.5)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                       for p in [engine, *ranks])
+

@@ -9,11 +9,11 @@ from engine_utils import RunnerExecutor, run_requests
 
 from braid.config import EngineConfig, UserError, load_model_config
 from braid.distributed.comm import SkipCommunicator
-from braid.engine.batch import Penalty, SamplingBatch
+from braid.engine.batch import Penalty, SamplingBatch, StepPlan
 from braid.engine.core import EngineCore
 from braid.engine.model_runner import ModelRunner
 from braid.engine.request import Request, SamplingParams
-from braid.engine.sampler import sample, token_logprobs
+from braid.engine.sampler import postprocess, sample, token_logprobs
 from braid.layers import attention_ops, decode_kernel
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
@@ -138,11 +138,11 @@ def test_prefix_cache_computes_only_the_new_blocks(runner, tokenizer):
 
 
 def sampling_batch(n, temperature=1.0, top_k=0, top_p=1.0, seed=None, position=0, min_p=0.0,
-                   penalties=None, banned=()):
+                   penalties=None, banned=(), biases=()):
     return SamplingBatch(np.full(n, temperature, np.float32), np.full(n, top_k, np.int64),
                          np.full(n, top_p, np.float32), np.full(n, min_p, np.float32),
                          [seed] * n, np.full(n, position), np.full(n, -1), [()] * n,
-                         penalties or [None] * n, [banned] * n)
+                         penalties or [None] * n, [banned] * n, [biases] * n)
 
 
 def draw(logits, batch, gen) -> list[int]:
@@ -214,6 +214,32 @@ def test_sampler_penalties_and_banned_tokens():
     penalty = Penalty(2.0, 0.0, 0.0, np.array([0]), np.array([], dtype=np.int64))
     assert draw(logits, sampling_batch(1, temperature=0, penalties=[penalty]), gen) == [1]
     assert draw(logits, sampling_batch(1, temperature=0, banned=(0, 1)), gen) == [2]
+
+
+def test_logit_bias_moves_the_choice():
+    gen = torch.Generator()
+    logits = torch.tensor([[4.0, 3.0, 2.0, -1.0]])
+    assert draw(logits, sampling_batch(1, temperature=0, biases=((3, 6.0),)), gen) == [3]
+    assert draw(logits, sampling_batch(1, temperature=0, biases=((0, -100.0),)), gen) == [1]
+    # -100 bans in practice when sampling too (OpenAI's meaning)
+    assert set(draw(torch.zeros(64, 4), sampling_batch(64, biases=((0, -100.0), (1, -100.0))),
+                    gen)) <= {2, 3}
+
+
+def test_a_row_whose_parameters_fail_fails_alone():
+    # A banned id past the vocabulary (as a stop token id the API forgot to check would be)
+    # fails its row; before, the exception ended rank 0, and with it the server.
+    batch = sampling_batch(3, temperature=0)
+    batch.banned[1] = (100_000_000,)
+    batch.biases[2] = ((7, 100.0),)
+    batch.num_logprobs[:] = 2
+    batch.scored_ids[0] = (5, 999_999)
+    plan = StepPlan(*(np.zeros(3, np.int64),) * 6, sample_rows=np.arange(3), sampling=batch)
+    result = postprocess(torch.randn(3, 20), plan, torch.Generator())
+    assert result.tokens[0] is None and "scoring" in result.errors[0]
+    assert result.tokens[1] is None and "sampling parameters" in result.errors[1]
+    assert result.tokens[2] == 7 and set(result.errors) == {0, 1}
+    assert result.logprobs[2].token_id == 7 and result.logprobs[0] is None
 
 
 def test_a_row_with_nan_logits_fails_alone():

@@ -38,6 +38,7 @@ class SamplingBatch:
     scored_ids: list[tuple[int, ...]]  # tokens whose logprobs each row reports
     penalties: list[Penalty | None]
     banned: list[tuple[int, ...]]  # tokens that may not be sampled (EOS before min_tokens)
+    biases: list[tuple[tuple[int, float], ...]]  # (token id, added to its logit) per row
 
 
 @dataclass

@@ -131,21 +131,27 @@ class EngineStats:
     num_steps_overlap: int
     num_steps_dp_linear: int
     steps_by_path: dict[str, int]  # `StepResult.path` -> steps that took it
+    num_sequences_received: int = 0  # every sequence of every request `add` was given
 
 
 def check_request(prompt_ids: list[int], params: SamplingParams, model_config: ModelConfig,
                   kv_capacity: int) -> None:
     """Raise `UserError` (naming the field at fault) if a request can never run: an empty
-    prompt, a token outside the vocabulary, or a prompt that with its `max_new_tokens` exceeds
-    the model's context or the KV cache."""
+    prompt, a token outside the vocabulary (in the prompt, `stop_token_ids`, `logit_bias` or
+    `logprob_token_ids`), or a prompt that with its `max_new_tokens` exceeds the model's
+    context or the KV cache."""
     context = model_config.max_position_embeddings
     n = len(prompt_ids)
     if not prompt_ids:
         raise UserError("a prompt must have at least one token", "prompt")
-    bad = [t for t in prompt_ids if not 0 <= t < model_config.vocab_size]
-    if bad:
-        raise UserError(f"token id {bad[0]} is outside the vocabulary "
-                        f"(0..{model_config.vocab_size - 1})", "prompt")
+    vocab = model_config.vocab_size
+    for field, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids),
+                       ("logit_bias", [t for t, _ in params.logit_bias]),
+                       ("logprob_token_ids", params.logprob_token_ids)):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise UserError(f"{field}: token id {bad[0]} is outside the vocabulary "
+                            f"(0..{vocab - 1})", field)
     if n >= context:
         raise UserError(f"prompt of {n} tokens does not fit the model's context of {context} "
                         "tokens", "prompt")
@@ -172,7 +178,8 @@ class EngineCore:
                                    config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens,
                                    config.max_running_requests,
-                                   model_config.max_position_embeddings)
+                                   model_config.max_position_embeddings,
+                                   config.max_skip_age_s)
         self.policy = StepPolicy(config.overlap, config.overlap_min_tokens, config.dp_linear,
                                  config.dp_linear_min_tokens, config.skip_comm)
         self._has_dp_linear = model_class(model_config).has_dp_linear
@@ -180,6 +187,7 @@ class EngineCore:
         self._seq_ids = count()
         self._step_ids = count(1)
         self.num_steps = self.num_steps_overlap = self.num_steps_dp_linear = 0
+        self.num_sequences_received = 0
         self.steps_by_path: Counter[str] = Counter()
         self.last_path = ""  # the path the latest step took (`StepResult.path`)
         self.compiled = False
@@ -222,11 +230,13 @@ class EngineCore:
     def add(self, request: Request) -> None:
         """Queue a request's `n` sequences; `UserError` if it can never run. With the prefix
         cache on, siblings share the first one's prompt blocks (see the scheduler)."""
+        self.num_sequences_received += request.params.n
         if request.request_id in self._sequences:
             raise UserError(f"request id {request.request_id!r} is already in use")
         self.check_request(request.prompt_ids, request.params)
         seqs = [Sequence(next(self._seq_ids), request.request_id, i, list(request.prompt_ids),
-                         request.params, request.eos_token_ids)
+                         request.params, request.eos_token_ids,
+                         group=request.group or request.request_id)
                 for i in range(request.params.n)]
         self._sequences[request.request_id] = seqs
         for seq in seqs:
@@ -246,17 +256,38 @@ class EngineCore:
 
     def step(self) -> list[SequenceDelta]:
         """Run one scheduled step; one delta per sequence that got a token or finished
-        (nothing when nothing is waiting or running)."""
+        (nothing when nothing is waiting or running). A sequence whose plan cannot be built
+        fails alone; the others run."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        plan, layout = build_plan(batch, self.config.block_size, next(self._step_ids))
-        result = self._run(plan)
-        deltas = self.scheduler.commit(batch, layout, result)
+        failed: list[SequenceDelta] = []
+        try:
+            plan, layout = build_plan(batch, self.config.block_size, next(self._step_ids))
+        except Exception:  # noqa: BLE001 - find the sequences that explain it; they fail alone
+            batch, failed = self._drop_unplannable(batch)
+            if batch:
+                plan, layout = build_plan(batch, self.config.block_size, next(self._step_ids))
+        deltas = failed
+        if batch:
+            deltas += self.scheduler.commit(batch, layout, self._run(plan))
         for delta in deltas:
             if delta.finish_reason is not None:
                 self._forget_if_done(delta.request_id)
         return deltas
+
+    def _drop_unplannable(self, batch: list[Sequence]
+                          ) -> tuple[list[Sequence], list[SequenceDelta]]:
+        """The sequences of `batch` whose own plan can be built, and an error delta for each
+        of the others (they are finished)."""
+        kept, failed = [], []
+        for seq in batch:
+            try:
+                build_plan([seq], self.config.block_size, 0)
+                kept.append(seq)
+            except Exception as e:  # noqa: BLE001
+                failed.append(self.scheduler.fail(seq, f"planning its step failed: {e!r}"))
+        return kept, failed
 
     def _run(self, plan: StepPlan) -> StepResult:
         policy, tp = self.policy, self.config.tp
@@ -280,7 +311,7 @@ class EngineCore:
         return EngineStats(len(s.running), len(s.waiting), self.blocks.usage, s.prefix_queries,
                            s.prefix_hits, s.num_preemptions, self.num_steps,
                            self.num_steps_overlap, self.num_steps_dp_linear,
-                           dict(self.steps_by_path))
+                           dict(self.steps_by_path), self.num_sequences_received)
 
     def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """fp32 logits at every position of each prompt (one batched prefill, outside the

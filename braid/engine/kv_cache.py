@@ -1,27 +1,41 @@
 """KV cache blocks on the driver: allocation, reference counts and the prefix cache.
 
 Every rank stores its own heads of each block; which block a token goes to is decided here.
-A full block of computed tokens is registered under a key chained from its tokens and the key
-of the block before it, so two sequences whose prompts start alike share those blocks (each
-holds a reference) and the second one skips their prefill. A block nobody references keeps its
-contents and its key, on an LRU list, until a new allocation needs it.
+A full block of computed tokens is registered under a key, so two sequences whose prompts start
+alike share those blocks (each holds a reference) and the second one skips their prefill. A
+block nobody references keeps its contents and its key, on an LRU list, until a new allocation
+needs it.
+
+Serving one prompt's KV to another leaks what the first prompt said, so a key (`BlockKey`) is
+the block's tokens themselves next to a SHA-256 digest chained from the previous block's digest
+(see `block_key`). The chain starts at a root digest of a random salt drawn per `BlockManager`
+and the sequence's `cache_salt`: digests cannot be predicted or matched across servers, and
+prompts under different cache salts never share a block. Every lookup compares the block's
+tokens, and the digest stands for every block before it: serving a block computed for other
+tokens would take a SHA-256 collision under a salt nobody outside the server knows.
 """
 
 from __future__ import annotations
 
+import hashlib
+import secrets
+import struct
 from collections import OrderedDict
 
 from braid.engine.request import Sequence
 
-# Key of the (empty) prefix before a sequence's first block.
-ROOT_KEY = 0
+# Prefix-cache key of a full block: (chain digest, its tokens as little-endian int64 bytes).
+# Dicts and sets compare both, so a hit needs the exact tokens. Bytes cache their hash: looking
+# a sequence's keys up again (the scheduler does, every step it waits) hashes no tokens.
+BlockKey = tuple[bytes, bytes]
 
 
-def block_key(parent: int, tokens: list[int]) -> int:
-    """Prefix-cache key of a full block: its tokens chained to the previous block's key.
-    Python's hash of a tuple of ints is deterministic and 64 bits wide: a collision between
-    two different prefixes is about as likely as 2**-40 over a million cached blocks."""
-    return hash((parent, tuple(tokens)))
+def block_key(parent: bytes, tokens: bytes) -> bytes:
+    """Chain digest of a full block: SHA-256 of the previous block's digest (or the sequence's
+    root digest) and the block's tokens (fixed-width bytes, so the input splits one way only).
+    It stands for the whole prefix up to this block; the block's own tokens are compared
+    besides, on every lookup."""
+    return hashlib.sha256(parent + tokens).digest()
 
 
 def num_kv_blocks(num_tokens: int, block_size: int) -> int:
@@ -45,8 +59,10 @@ class BlockManager:
         self._free = list(range(self.num_blocks - 1, 0, -1))  # no cached contents
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self._refs = [0] * self.num_blocks
-        self._key_of: dict[int, int] = {}
-        self._block_of: dict[int, int] = {}
+        self._key_of: dict[int, BlockKey] = {}
+        self._block_of: dict[BlockKey, int] = {}
+        self._salt = secrets.token_bytes(16)  # roots every key: unpredictable, per server
+        self._pack = struct.Struct(f"<{block_size}q").pack  # a full block's tokens as bytes
 
     @property
     def num_free(self) -> int:
@@ -98,23 +114,30 @@ class BlockManager:
                 else:
                     self._free.append(block)
 
-    def _key(self, seq: Sequence, i: int) -> int:
+    def _root(self, cache_salt: str | None) -> bytes:
+        """Digest a sequence's first block chains from: this cache's random salt and the
+        request's `cache_salt` (no salt and an empty one differ)."""
+        tag = b"" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8", "surrogatepass")
+        return hashlib.sha256(self._salt + tag).digest()
+
+    def _key(self, seq: Sequence, i: int) -> BlockKey:
         """Key of the sequence's block i (computed once, kept in `seq.block_keys`)."""
         while len(seq.block_keys) <= i:
             j = len(seq.block_keys)
-            tokens = seq.token_slice(j * self.block_size, (j + 1) * self.block_size)
-            seq.block_keys.append(block_key(seq.block_keys[-1] if j else ROOT_KEY, tokens))
+            tokens = self._pack(*seq.token_slice(j * self.block_size, (j + 1) * self.block_size))
+            parent = seq.block_keys[-1][0] if j else self._root(seq.params.cache_salt)
+            seq.block_keys.append((block_key(parent, tokens), tokens))
         return seq.block_keys[i]
 
-    def shareable_keys(self, seq: Sequence) -> list[int]:
+    def shareable_keys(self, seq: Sequence) -> list[BlockKey]:
         """Keys of the sequence's blocks another sequence could share: its full blocks before
         the last token (the ones `match_prefix` looks up)."""
         if not self.prefix_caching:
             return []
         return [self._key(seq, i) for i in range((seq.num_tokens - 1) // self.block_size)]
 
-    def cached_prefix(self, keys: list[int]) -> int:
-        """How many of the leading `keys` the prefix cache holds."""
+    def cached_prefix(self, keys: list[BlockKey]) -> int:
+        """How many of the leading `keys` the prefix cache holds (same digests, same tokens)."""
         count = 0
         while count < len(keys) and keys[count] in self._block_of:
             count += 1

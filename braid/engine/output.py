@@ -7,16 +7,93 @@ and turn them into text pieces. Two things make this more than `decode`:
   character that the full text does not;
 - a stop string may span tokens; text that could still become the start of one (a suffix that
   is a prefix of a stop string) is held back, and the completion ends just before the stop
-  string (OpenAI's behaviour: the stop string is not output).
+  string (OpenAI's behaviour: the stop string is not output). One automaton over all the stop
+  strings reads each character once, so many long stop strings cost no more per token than
+  one short one (the server's event loop runs this for every token of every stream).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
 
 from braid.engine.request import SamplingParams, SequenceDelta, TokenLogprob
 
 # Prompt tokens decoded before the output, so tokenizers that mark word starts (SentencePiece's
 # leading space) decode the first output token as they would in context.
 _CONTEXT_TOKENS = 6
+
+
+@dataclass(frozen=True)
+class _Automaton:
+    """Aho-Corasick automaton of a set of stop strings: per state, its transitions, its
+    fallback, its depth (the length of the prefix it stands for) and the longest stop string
+    that ends there."""
+
+    goto: tuple[dict[str, int], ...]
+    fail: tuple[int, ...]
+    depth: tuple[int, ...]
+    match: tuple[str | None, ...]
+
+
+@lru_cache(maxsize=256)
+def _automaton(stops: tuple[str, ...]) -> _Automaton:
+    goto: list[dict[str, int]] = [{}]
+    depth, match = [0], [None]
+    for stop in stops:
+        state = 0
+        for ch in stop:
+            if ch not in goto[state]:
+                goto.append({})
+                depth.append(depth[state] + 1)
+                match.append(None)
+                goto[state][ch] = len(goto) - 1
+            state = goto[state][ch]
+        match[state] = stop
+    fail = [0] * len(goto)
+    frontier = [0]
+    while frontier:  # breadth first: a state's fallback is shallower, so already known
+        following = []
+        for state in frontier:
+            for ch, nxt in goto[state].items():
+                if state:
+                    back = fail[state]
+                    while back and ch not in goto[back]:
+                        back = fail[back]
+                    fail[nxt] = goto[back].get(ch, 0)
+                if match[nxt] is None:
+                    match[nxt] = match[fail[nxt]]
+                following.append(nxt)
+        frontier = following
+    return _Automaton(tuple(goto), tuple(fail), tuple(depth), tuple(match))
+
+
+class StopMatcher:
+    """Finds stop strings in text fed to it piece by piece, reading each character once."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._a = _automaton(tuple(stops))
+        self._state = 0
+
+    @property
+    def held(self) -> int:
+        """Length of the longest end of the text so far that begins a stop string."""
+        return self._a.depth[self._state]
+
+    def feed(self, text: str, report: bool = True) -> tuple[int, str] | None:
+        """Read `text`; the first stop string completed in it (when `report`) as (the index
+        in `text` just after it, the stop string), or None. The earliest to end wins; of
+        those ending at one place, the longest."""
+        a, state = self._a, self._state
+        for i, ch in enumerate(text):
+            while state and ch not in a.goto[state]:
+                state = a.fail[state]
+            state = a.goto[state].get(ch, 0)
+            if report and a.match[state] is not None:
+                self._state = state
+                return i + 1, a.match[state]
+        self._state = state
+        return None
 
 
 class IncrementalDetokenizer:
@@ -29,8 +106,7 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0  # ids[prefix_offset:read_offset] decode to text already taken
         self.read_offset = len(self.ids)
-        self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.stop_matcher = StopMatcher(stop) if stop else None
         self.text = ""  # the output's text so far (cut before a stop string once found)
         self.emitted = 0  # characters of `text` handed out
         self.stop_string: str | None = None
@@ -65,23 +141,17 @@ class IncrementalDetokenizer:
 
     def _held(self) -> int:
         """Characters at the end of the text that could still begin a stop string."""
-        held = 0
-        for stop in self.stop:
-            for k in range(min(len(stop) - 1, len(self.text)), held, -1):
-                if self.text.endswith(stop[:k]):
-                    held = k
-                    break
-        return held
+        return self.stop_matcher.held if self.stop_matcher is not None else 0
 
     def _append(self, piece: str, check_stop: bool) -> None:
-        start = max(0, len(self.text) - self.hold)  # a stop string may begin in older text
+        start = len(self.text)
         self.text += piece
-        if not check_stop:
+        if self.stop_matcher is None:
             return
-        found = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
-        if found:
-            cut, self.stop_string = min(found)
-            self.text = self.text[:cut]
+        found = self.stop_matcher.feed(piece, report=check_stop)
+        if found is not None:
+            end, self.stop_string = found
+            self.text = self.text[:start + end - len(self.stop_string)]
 
 
 class CompletionState:
@@ -107,6 +177,10 @@ class CompletionState:
     @property
     def text(self) -> str:
         return self.detokenizer.text
+
+    def fail(self, error: str) -> None:
+        """End the completion with an error (the caller aborts it in the engine)."""
+        self.finish_reason, self.error = "error", error
 
     def update(self, delta: SequenceDelta) -> tuple[str, list[TokenLogprob]]:
         """Apply an engine delta; return the text to emit now and the logprobs of the tokens

@@ -50,7 +50,7 @@ def build_plan(batch: list[Sequence], block_size: int,
     for seq in batch:
         start, end = seq.num_computed, seq.num_computed + seq.scheduled_tokens
         prompt_start = len(scored)
-        if seq.params.prompt_logprobs is not None:
+        if seq.scores_prompt:
             # Position p scores prompt token p + 1; positions already scored are skipped
             # (a prompt recomputed after preemption).
             for pos in range(max(start, len(seq.prompt_logprobs)),
@@ -84,7 +84,7 @@ def sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
     params = [s.params for s in seqs]
     return SamplingBatch(
         temperatures=np.array([p.temperature for p in params], dtype=np.float32),
-        top_ks=np.array([p.top_k for p in params], dtype=np.int64),
+        top_ks=np.array([p.top_k for p in params], dtype=np.int64),  # < 2**31: SamplingParams
         top_ps=np.array([p.top_p for p in params], dtype=np.float32),
         min_ps=np.array([p.min_p for p in params], dtype=np.float32),
         seeds=[p.seed for p in params],
@@ -94,6 +94,7 @@ def sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
         scored_ids=[p.logprob_token_ids for p in params],
         penalties=[_penalty(s) for s in seqs],
         banned=[_banned(s) for s in seqs],
+        biases=[p.logit_bias for p in params],
     )
 
 

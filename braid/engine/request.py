@@ -3,6 +3,7 @@ tracks (`Sequence`), and what the engine reports back (`SequenceDelta`, `Request
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -10,7 +11,9 @@ from braid.config import UserError
 
 # Most alternatives per token that `logprobs` may ask for (OpenAI's limit for top_logprobs).
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias: -100 bans, 100 forces
 _INT64 = 1 << 63
+_TOP_K_NO_LIMIT = 1 << 31  # top_k beyond any vocabulary: no limit (kept in an int64 array)
 
 
 @dataclass(frozen=True)
@@ -22,8 +25,10 @@ class SamplingParams:
     `logprob_token_ids`: the logprobs of these tokens at every generated position, whatever
     their rank (SGLang's `token_ids_logprob`: how a multiple-choice evaluator reads the
     likelihood of each answer letter).
-    Logprobs are the model's own (log-softmax of the raw logits, before penalties and
-    temperature). `stop` strings end a completion, and are cut from its text, by whichever
+    Logprobs are the model's own (log-softmax of the raw logits, before penalties, biases and
+    temperature). `logit_bias` adds to a token's logit before sampling (OpenAI's, in
+    [-100, 100]); `cache_salt` keeps a tenant's prompts out of other tenants' prefix-cache
+    blocks (vLLM's). `stop` strings end a completion, and are cut from its text, by whichever
     front end detokenizes (`LLM`, the server).
     """
 
@@ -45,11 +50,23 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logprob_token_ids: tuple[int, ...] = ()
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids", "logprob_token_ids"):  # lists welcome; tuples kept
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        if self.top_k >= _TOP_K_NO_LIMIT:
+            object.__setattr__(self, "top_k", 0)
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty")
+        for name in floats:
+            if not math.isfinite(getattr(self, name)):
+                raise UserError(f"{name} must be a finite number, got {getattr(self, name)!r}",
+                                name)
         checks = [
             (self.max_new_tokens >= 1, "max_new_tokens", "at least 1"),
             (self.temperature >= 0, "temperature", ">= 0"),
@@ -68,6 +85,8 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              "prompt_logprobs", f"in [0, {MAX_LOGPROBS}]"),
             (all(self.stop), "stop", "non-empty strings"),
+            (all(abs(b) <= MAX_LOGIT_BIAS for _, b in self.logit_bias), "logit_bias",
+             f"a map of token ids to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
         ]
         for ok, name, rule in checks:
             if not ok:
@@ -89,6 +108,9 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()  # the front end's tokenizer knows them
     arrival_time: float = field(default_factory=time.monotonic)
+    # Admission takes turns between groups (the server's HTTP requests; default: this
+    # request alone), so one client's many prompts do not hold back another's one.
+    group: str | None = None
 
 
 @dataclass(frozen=True)
@@ -112,9 +134,11 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
+    group: str = ""  # whose turn admission takes (`Request.group`)
+    waiting_since: float = 0.0  # when it last joined the waiting queue (time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
-    block_keys: list[int] = field(default_factory=list)  # prefix-cache keys of full blocks
+    block_keys: list[tuple[bytes, bytes]] = field(default_factory=list)  # kv_cache.BlockKey
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_computed: int = 0  # tokens whose keys and values are in the cache
     num_cached_prompt: int = 0  # prompt tokens found in the prefix cache at admission
@@ -133,6 +157,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether this sequence computes its request's prompt logprobs (completion 0 does;
+        its siblings share them, and may share the prompt's cached blocks)."""
+        return self.params.prompt_logprobs is not None and self.index == 0
 
     @property
     def prompt_done(self) -> bool:

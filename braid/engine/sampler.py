@@ -1,6 +1,7 @@
 """What rank 0 does with a step's logits: sampling (greedy, temperature, top-k, top-p, min-p,
-penalties, per-request seeds) and logprobs. A row that cannot be sampled (NaN logits, a failed
-draw) fails alone: its token is None and the error names the cause."""
+penalties, logit biases, per-request seeds) and logprobs. A row that cannot be sampled (NaN
+logits, a failed draw, anything its own parameters make fail) fails alone: its token is None
+and the error names the cause; the other rows, and the rank, go on."""
 
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ def postprocess(logits: torch.Tensor, plan: StepPlan, generator: torch.Generator
         sampling = plan.sampling
         if (sampling.num_logprobs >= 0).any() or any(sampling.scored_ids):
             chosen = [t if t is not None else 0 for t in result.tokens]
-            entries = token_logprobs(rows, chosen, sampling.num_logprobs, sampling.scored_ids)
+            entries = token_logprobs(rows, chosen, sampling.num_logprobs, sampling.scored_ids,
+                                     result.errors)
+            for row in result.errors:
+                result.tokens[row] = None
             result.logprobs = [None if token is None else entry
                                for token, entry in zip(result.tokens, entries)]
     if plan.prompt_logprobs is not None:
@@ -41,9 +45,11 @@ def _select_rows(logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, chosen: list[int], num_logprobs,
-                   scored_ids: list[tuple[int, ...]] | None = None) -> list[TokenLogprob | None]:
+                   scored_ids: list[tuple[int, ...]] | None = None,
+                   errors: dict[int, str] | None = None) -> list[TokenLogprob | None]:
     """Per row: the chosen token's logprob, the top `num_logprobs[row]` alternatives and the
-    logprobs of `scored_ids[row]` (None for a row that asks for neither: -1 and no ids)."""
+    logprobs of `scored_ids[row]` (None for a row that asks for neither: -1 and no ids). A row
+    whose ids cannot be scored gets None and its reason in `errors`."""
     counts = [int(k) for k in num_logprobs]
     scored_ids = scored_ids or [()] * len(counts)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -58,8 +64,15 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int], num_logprobs,
             entries.append(None)
             continue
         top = tuple(zip(top_ids[row][:max(k, 0)], top_values[row][:max(k, 0)]))
-        scored = zip(ids, logprobs[row, list(ids)].tolist()) if ids else ()
-        entries.append(TokenLogprob(chosen[row], picked[row], top, tuple(scored)))
+        try:
+            scored = tuple(zip(ids, logprobs[row, list(ids)].tolist())) if ids else ()
+        except (IndexError, RuntimeError) as e:
+            if errors is None:
+                raise
+            errors[row] = f"scoring the requested token ids failed: {e}"
+            entries.append(None)
+            continue
+        entries.append(TokenLogprob(chosen[row], picked[row], top, scored))
     return entries
 
 
@@ -70,12 +83,12 @@ def sample(logits: torch.Tensor, params: SamplingBatch,
     Rows with temperature 0 take the argmax. A seeded row draws from a generator seeded by its
     seed and output position, so its tokens do not depend on what else is in the batch.
     """
-    logits = _constrained(logits, params)
+    logits, errors = _constrained(logits, params)
     # The argmax picks a NaN where a row has one, so the chosen logits reveal the failed rows
     # without another pass over the vocabulary.
     chosen, tokens = _row_max(logits)
-    errors = {row: "the model produced NaN logits"
-              for row in np.flatnonzero(np.isnan(chosen)).tolist()}
+    for row in np.flatnonzero(np.isnan(chosen)).tolist():
+        errors.setdefault(row, "the model produced NaN logits")
     sampled_rows = [r for r in np.flatnonzero(params.temperatures > 0).tolist()
                     if r not in errors]
     if sampled_rows:
@@ -118,18 +131,31 @@ def _row_max(logits: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     return chosen.float().cpu().numpy(), tokens
 
 
-def _constrained(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
-    """Logits after each row's penalties and banned tokens (a copy, only if any apply)."""
-    rows = [r for r in range(logits.shape[0]) if params.penalties[r] or params.banned[r]]
+def _constrained(logits: torch.Tensor,
+                 params: SamplingBatch) -> tuple[torch.Tensor, dict[int, str]]:
+    """Logits after each row's penalties, biases and banned tokens (a copy, only if any
+    apply), and the rows whose own parameters made that fail (their logits become NaN, so
+    nothing is sampled from them)."""
+    rows = [r for r in range(logits.shape[0])
+            if params.penalties[r] or params.banned[r] or params.biases[r]]
+    errors: dict[int, str] = {}
     if not rows:
-        return logits
+        return logits, errors
     logits = logits.clone()
     for row in rows:
-        if params.penalties[row] is not None:
-            _apply_penalty(logits[row], params.penalties[row])
-        if params.banned[row]:
-            logits[row, list(params.banned[row])] = float("-inf")
-    return logits
+        try:
+            if params.penalties[row] is not None:
+                _apply_penalty(logits[row], params.penalties[row])
+            if params.biases[row]:
+                ids, values = zip(*params.biases[row])
+                logits[row, list(ids)] += torch.tensor(values, dtype=logits.dtype,
+                                                       device=logits.device)
+            if params.banned[row]:
+                logits[row, list(params.banned[row])] = float("-inf")
+        except (IndexError, RuntimeError, ValueError) as e:
+            errors[row] = f"applying its sampling parameters failed: {e}"
+            logits[row] = float("nan")
+    return logits, errors
 
 
 def _apply_penalty(logits: torch.Tensor, penalty: Penalty) -> None:

@@ -5,11 +5,16 @@ Each step, within `max_num_batched_tokens` tokens:
    is full the newest running sequence is preempted (its blocks freed, recomputed later, its
    prefix likely still cached), so no request is ever dropped;
 2. prompts part-way through their prefill get their next chunk, as far as free blocks allow;
-3. waiting sequences are admitted in arrival order, the shared prefix found in the prefix cache
-   skipped, while their first chunk fits with a reserve of free blocks for the running
-   sequences' next decode step, so a fresh admission does not preempt anyone right away. A
-   sequence whose next uncached block another prompt is computing right now (the same few-shot
-   prefix, a sibling of `n`) waits for it, then shares it instead of computing it again.
+3. waiting sequences are admitted while their first chunk fits with a reserve of free blocks
+   for the running sequences' next decode step, so a fresh admission does not preempt anyone
+   right away; the shared prefix found in the prefix cache is skipped. Preempted sequences come
+   first; then groups (the server's HTTP requests) take turns, one sequence each, the group
+   served longest ago first, so a request of thousands of prompts does not hold back another
+   client's one. A sequence that does not fit yet is overtaken by the ones behind it for at
+   most `max_skip_age_s` seconds; after that admission waits for it, so it is not starved. A
+   sequence whose next uncached block another prompt is computing right now (the same
+   few-shot prefix, a sibling of `n`) waits for it, then shares it instead of computing it
+   again.
 
 A long prompt is thus prefilled over several steps while decodes keep running, and several
 prompts may share a step. Runs on the driver; the ranks only see the resulting plans.
@@ -17,7 +22,8 @@ prompts may share a step. Runs on the driver; the ranks only see the resulting p
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections.abc import Callable, Iterator
 
 from braid.engine.batch import StepResult
 from braid.engine.kv_cache import BlockManager
@@ -25,23 +31,88 @@ from braid.engine.plan import SequenceRows
 from braid.engine.request import Sequence, SequenceDelta
 
 
+class WaitingQueue:
+    """Sequences waiting to run, in the order admission considers them (see the module
+    docstring). Adding and removing a sequence are O(1), so aborting a request of many
+    sequences costs what it holds."""
+
+    def __init__(self) -> None:
+        self._preempted: dict[Sequence, None] = {}  # insertion-ordered sets
+        self._groups: dict[str, dict[Sequence, None]] = {}  # served longest ago first
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return seq in self._preempted or seq in self._groups.get(seq.group, ())
+
+    def add(self, seq: Sequence, now: float, preempted: bool = False) -> None:
+        seq.waiting_since = now
+        (self._preempted if preempted else self._groups.setdefault(seq.group, {}))[seq] = None
+        self._count += 1
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a waiting sequence out (admitted or aborted)."""
+        if seq in self._preempted:
+            del self._preempted[seq]
+        else:
+            group = self._groups[seq.group]
+            del group[seq]
+            if not group:
+                del self._groups[seq.group]
+        self._count -= 1
+
+    def was_preempted(self, seq: Sequence) -> bool:
+        return seq in self._preempted
+
+    def served(self, seq: Sequence) -> None:
+        """`seq`'s group had its turn: it goes to the back of the line."""
+        if seq.group in self._groups:
+            self._groups[seq.group] = self._groups.pop(seq.group)
+
+    def in_turn(self) -> Iterator[Sequence]:
+        """Candidates for admission: preempted sequences oldest first, then each group's first
+        waiting sequence in turn, round after round. A group whose candidate is still waiting
+        when the next is asked for (it did not fit) is passed over until the next step."""
+        yield from sorted(self._preempted, key=lambda s: s.seq_id)
+        passed: set[str] = set()
+        while True:
+            progressed = False
+            for group in list(self._groups):
+                seqs = self._groups.get(group)
+                if group in passed or not seqs:
+                    continue
+                head = next(iter(seqs))
+                yield head
+                if head in seqs:
+                    passed.add(group)
+                else:
+                    progressed = True
+            if not progressed:
+                return
+
+
 class Scheduler:
     """Chooses each step's sequences and records what the step produced."""
 
     def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_running: int,
-                 max_context: int) -> None:
+                 max_context: int, max_skip_age_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.blocks = blocks
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_running = max_running
         self.max_context = max_context
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.max_skip_age_s = max_skip_age_s
+        self.clock = clock
+        self.waiting = WaitingQueue()
+        self.running: dict[Sequence, None] = {}  # an insertion-ordered set: oldest first
         self.num_preemptions = 0
         self.prefix_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_hits = 0  # ... and found there
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting.add(seq, self.clock())
 
     @property
     def has_work(self) -> bool:
@@ -50,7 +121,7 @@ class Scheduler:
     def abort(self, seq: Sequence) -> None:
         """Drop a sequence now, wherever it is; its blocks are free at once."""
         if seq in self.running:
-            self.running.remove(seq)
+            del self.running[seq]
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
@@ -88,7 +159,7 @@ class Scheduler:
         running sequences for it (possibly itself: then False)."""
         need = self.blocks.blocks_needed(seq.num_tokens, len(seq.blocks))
         while need > self.blocks.num_free:
-            victim = self.running[-1]
+            victim = next(reversed(self.running))
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -106,30 +177,32 @@ class Scheduler:
         return seq.num_computed + seq.scheduled_tokens == len(seq.blocks) * self.blocks.block_size
 
     def _admit(self, batch: list[Sequence], budget: int) -> None:
-        """Admit waiting sequences in order while their first chunk fits (see the module
-        docstring)."""
+        """Admit waiting sequences while their first chunk fits (see the module docstring)."""
         bs = self.blocks.block_size
         reserve = sum(1 for s in self.running if self._fills_its_blocks(s))
         # Prefix blocks that prompts being prefilled (now or in this step) are computing.
         computing = {key for s in self.running if not s.prompt_done
                      for key in self.blocks.shareable_keys(s)}
-        for seq in list(self.waiting):
+        now = self.clock()
+        for seq in self.waiting.in_turn():
             if budget == 0 or len(self.running) >= self.max_running:
                 return
-            # Prompt logprobs need the logits of every prompt position: no cached prefix.
-            scoring = (seq.params.prompt_logprobs is not None
-                       and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1)
-            keys = [] if scoring else self.blocks.shareable_keys(seq)
-            cached = self.blocks.cached_prefix(keys)
-            if cached < len(keys) and keys[cached] in computing:
+            keys = self.blocks.shareable_keys(seq)
+            # Prompt logprobs need the logits of every prompt position: no cached prefix
+            # (the blocks it computes are shared with others all the same).
+            scoring = seq.scores_prompt and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1
+            cached = 0 if scoring else self.blocks.cached_prefix(keys)
+            if not scoring and cached < len(keys) and keys[cached] in computing:
                 continue  # its next block is being computed: share it from a later step
-            matched = self.blocks.match_prefix(seq) if keys else []
+            matched = self.blocks.match_prefix(seq) if keys and not scoring else []
             computed = len(matched) * bs
             chunk = min(seq.num_tokens - computed, budget)
             need = self.blocks.blocks_needed(computed + chunk, len(matched))
             if need + reserve + ((computed + chunk) % bs == 0) > self.blocks.num_free:
                 self.blocks.free(matched)
-                return
+                if self.waiting.was_preempted(seq) or now - seq.waiting_since > self.max_skip_age_s:
+                    return  # preempted, or waited long enough: nothing overtakes it
+                continue
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += computed
             if not seq.output_ids:
@@ -139,7 +212,8 @@ class Scheduler:
             seq.num_registered_blocks = len(matched)
             seq.scheduled_tokens = chunk
             self.waiting.remove(seq)
-            self.running.append(seq)
+            self.waiting.served(seq)
+            self.running[seq] = None
             batch.append(seq)
             budget -= chunk
             reserve += self._fills_its_blocks(seq)
@@ -147,9 +221,9 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
-        self.running.remove(seq)
+        del self.running[seq]
         self._release(seq)
-        self.waiting.appendleft(seq)
+        self.waiting.add(seq, self.clock(), preempted=True)
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.blocks)
@@ -160,27 +234,37 @@ class Scheduler:
                result: StepResult) -> list[SequenceDelta]:
         """Record a step's results; one delta per sequence that got a token or finished.
 
-        A sequence whose step ended inside its prompt only records its prompt logprobs.
+        A sequence whose step ended inside its prompt only records its prompt logprobs. A
+        failure while recording one sequence's token fails that sequence alone.
         """
         deltas = []
         for seq, rows in zip(batch, layout):
             seq.num_computed += seq.scheduled_tokens
             seq.scheduled_tokens = 0
-            self.blocks.register(seq)
-            if rows.prompt_count:
-                seq.prompt_logprobs += result.prompt_logprobs[
-                    rows.prompt_start:rows.prompt_start + rows.prompt_count]
-            if rows.sample_row is not None:
-                deltas.append(self._record_token(seq, result, rows.sample_row))
+            try:
+                self.blocks.register(seq)
+                if rows.prompt_count:
+                    seq.prompt_logprobs += result.prompt_logprobs[
+                        rows.prompt_start:rows.prompt_start + rows.prompt_count]
+                if rows.sample_row is not None:
+                    deltas.append(self._record_token(seq, result, rows.sample_row))
+            except Exception as e:  # noqa: BLE001 - one sequence's failure is its own
+                deltas.append(self.fail(seq, f"recording its token failed: {e!r}"))
         return deltas
+
+    def fail(self, seq: Sequence, error: str) -> SequenceDelta:
+        """End a sequence with an error (its blocks are free at once); the delta saying so."""
+        if not seq.finished:
+            if seq in self.running or seq in self.waiting:
+                self.abort(seq)
+            seq.finish_reason = "error"
+        return SequenceDelta(seq.request_id, seq.index, finish_reason="error", error=error)
 
     def _record_token(self, seq: Sequence, result: StepResult, row: int) -> SequenceDelta:
         delta = SequenceDelta(seq.request_id, seq.index)
         token = result.tokens[row]
         if token is None:
-            self._finish(seq, "error")
-            delta.finish_reason, delta.error = "error", result.errors[row]
-            return delta
+            return self.fail(seq, result.errors[row])
         seq.output_ids.append(token)
         delta.new_token_ids = [token]
         params = seq.params
@@ -189,7 +273,7 @@ class Scheduler:
         if len(seq.output_ids) == 1:
             delta.num_prompt_tokens = len(seq.prompt_ids)
             delta.num_cached_tokens = seq.num_cached_prompt
-            if params.prompt_logprobs is not None:
+            if seq.scores_prompt:
                 delta.prompt_logprobs = seq.prompt_logprobs
         if len(seq.output_ids) >= params.min_tokens:
             if token in params.stop_token_ids:
@@ -204,6 +288,6 @@ class Scheduler:
         return delta
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.running.remove(seq)
+        del self.running[seq]
         self._release(seq)
         seq.finish_reason = reason

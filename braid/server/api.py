@@ -1,19 +1,20 @@
 """The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health,
 metrics, tokenize and detokenize.
 
-Handlers tokenize, check a request completely before anything reaches the engine (a bad
-request gets a 4xx in OpenAI's error shape, naming the field, and changes nothing), then turn
-the engine's deltas into OpenAI responses or SSE streams. A client that disconnects aborts its
-request.
+Before a handler runs, middleware checks the API key from the headers and bounds the body's
+size. Handlers tokenize, check a request completely before anything reaches the engine (a bad
+request gets a 4xx in OpenAI's error shape, naming the field, and changes nothing; a full queue
+a 429 with Retry-After), then turn the engine's deltas into OpenAI responses or SSE streams. A
+client that disconnects aborts its request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -22,19 +23,25 @@ from braid.config import ModelConfig, UserError
 from braid.engine.core import check_request
 from braid.engine.request import SamplingParams
 from braid.server.async_engine import AsyncEngine, EngineDead
-from braid.server.generation import PromptRun, generate, make_runs
+from braid.server.generation import PromptRun, close, generate, make_runs, submit
 from braid.server.metrics import Metrics
+from braid.server.middleware import LimitBody, RequireAPIKey
 from braid.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
+    RequestLimits,
     TokenizeRequest,
+    bounded_models,
     error_body,
+    unsupported_field,
 )
 from braid.server.responses import ChatResponder, CompletionResponder, sse
 
 DISCONNECT_POLL_S = 0.5
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # no key needed, unless --api-key-all-routes
+RETRY_AFTER_S = 1  # a full queue drains at the engine's pace: ask again soon
 
 
 @dataclass
@@ -50,6 +57,9 @@ class ServerContext:
     eos_token_ids: frozenset[int]
     metrics: Metrics
     api_key: str | None = None
+    api_key_all_routes: bool = False  # the key on /health and /metrics too
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    report_cached_tokens: bool = True  # usage.prompt_tokens_details.cached_tokens
     created: int = 0
 
     @property
@@ -61,29 +71,37 @@ class APIError(Exception):
     """An error answered in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | int | None = None) -> None:
+                 type_: str = "invalid_request_error", code: str | int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = (
             status, message, param, type_, code)
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(self.message, self.type, self.param, self.code),
-                            status_code=self.status)
+                            status_code=self.status, headers=self.headers)
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
     """The FastAPI application serving `ctx`'s model."""
     app = FastAPI(title="braid", docs_url=None, redoc_url=None)
     app.state.ctx = ctx
-    _install_error_handlers(app)
+    _install_error_handlers(app, ctx.metrics)
+    reject = ctx.metrics.reject
+    app.add_middleware(LimitBody, max_bytes=ctx.limits.max_request_bytes, on_reject=reject)
+    if ctx.api_key is not None:  # outermost: nothing of a request is read before the key
+        app.add_middleware(RequireAPIKey, api_key=ctx.api_key, on_reject=reject,
+                           open_paths=frozenset() if ctx.api_key_all_routes else OPEN_PATHS)
+    models = bounded_models(ctx.limits, ctx.model_config.vocab_size, ctx.max_model_len)
 
-    def authorize(request: Request) -> None:
-        if ctx.api_key is None:
-            return
-        supplied = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not secrets.compare_digest(supplied.encode(), ctx.api_key.encode()):
-            raise APIError(401, "invalid API key: pass it as 'Authorization: Bearer KEY'",
-                           type_="authentication_error", code="invalid_api_key")
+    def post(path: str, body_model: type) -> callable:
+        """`app.post`, with the handler's `body` typed by this server's bounded model (a
+        class made at run time, which a string annotation cannot name)."""
+        def register(handler):
+            handler.__annotations__["body"] = body_model
+            return app.post(path)(handler)
+        return register
 
     def check_model(name: str | None) -> None:
         if name is not None and name != ctx.model_name:
@@ -91,23 +109,57 @@ def build_app(ctx: ServerContext) -> FastAPI:
                                 f"`{ctx.model_name}`", "model", "not_found_error",
                            "model_not_found")
 
+    def check_fields(body) -> None:
+        check_model(body.model)
+        name = unsupported_field(body)
+        if name is not None:
+            raise APIError(400, f"`{name}` is not supported by braid: leave it out", name,
+                           code="unsupported_field")
+
+    def check_sequences(count: int) -> None:
+        """400 for more completions in one request than a request may ask for."""
+        limit = ctx.limits.max_sequences_per_request
+        if count > limit:
+            raise APIError(400, f"the request asks for {count} completions (prompts x n); "
+                                f"this server allows {limit} (--max-sequences-per-request)",
+                           "n")
+
+    async def run(runs: list[PromptRun], stream: bool, response, raw: Request) -> Response:
+        """Queue the runs (429 if the queue has no room for them) and answer with their
+        stream or, once they are done, their response."""
+        limit = ctx.limits.max_queued_sequences
+        if ctx.engine.queued_sequences + sum(len(r.states) for r in runs) > limit:
+            reject("queue_full")
+            raise APIError(429, f"the server's queue is full ({limit} sequences waiting, "
+                                "--max-queued-sequences): retry later", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        deltas = submit(ctx.engine, runs, ctx.eos_token_ids, ctx.metrics)
+        events = generate(ctx.engine, runs, deltas, ctx.metrics)
+        if stream:
+            return sse(response.chunks(events), on_close=lambda: close(ctx.engine, runs))
+        try:
+            return await _complete(raw, runs, events, response.response)
+        finally:
+            close(ctx.engine, runs)
+
     @app.get("/health")
     async def health() -> Response:
-        if ctx.engine.dead is not None:
-            return JSONResponse(error_body(ctx.engine.dead, "server_error"), status_code=503)
+        if ctx.engine.dead is not None:  # why is in the server's log, not for any client
+            return JSONResponse(error_body("the engine is not running", "server_error"),
+                                status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
-    async def models() -> dict:
+    @app.get("/v1/models")
+    async def models_list() -> dict:
         return {"object": "list", "data": [{
             "id": ctx.model_name, "object": "model", "created": ctx.created,
             "owned_by": "braid", "root": ctx.model_path, "max_model_len": ctx.max_model_len}]}
 
-    @app.post("/tokenize")
+    @post("/tokenize", models.tokenize)
     async def tokenize(body: TokenizeRequest) -> dict:
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -115,84 +167,100 @@ def build_app(ctx: ServerContext) -> FastAPI:
         if body.messages is not None:
             ids = _chat_prompt(ctx.tokenizer, body.messages)
         else:
-            ids = ctx.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)
-            ids = list(ids["input_ids"])
+            ids = _tokenize(ctx.tokenizer, body.prompt, "prompt", body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
 
-    @app.post("/detokenize")
+    @post("/detokenize", models.detokenize)
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_model(body.model)
-        vocab = ctx.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise APIError(400, f"token ids must be in 0..{vocab - 1}", "tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @post("/v1/completions", models.completion)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        check_model(body.model)
+        check_fields(body)
+        n_prompts = 1 if isinstance(body.prompt, str) or _is_ids(body.prompt) else len(
+            body.prompt)
+        check_sequences(n_prompts * body.n)
         prompts, texts = _completion_prompts(ctx.tokenizer, body.prompt)
+        max_tokens = body.max_tokens or _room(ctx, max(len(p) for p in prompts))
         logprobs = body.logprobs
-        params = body.sampling_params(body.max_tokens, logprobs,
+        params = body.sampling_params(max_tokens, logprobs,
                                       logprobs if body.echo and logprobs is not None else None)
         for ids in prompts:
             _check(ids, params, ctx, "prompt")
         runs = make_runs(f"cmpl-{secrets.token_hex(12)}", prompts, params, ctx.tokenizer)
-        response = CompletionResponder(ctx.tokenizer, ctx.model_name, body, runs, texts)
-        if body.stream:
-            return sse(response.chunks(generate(ctx.engine, runs, ctx.eos_token_ids,
-                                                 ctx.metrics)))
-        return await _complete(raw, runs, ctx, response.response)
+        response = CompletionResponder(ctx.tokenizer, ctx.model_name, body, runs, texts,
+                                       ctx.report_cached_tokens)
+        return await run(runs, body.stream, response, raw)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @post("/v1/chat/completions", models.chat)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        check_model(body.model)
+        check_fields(body)
+        check_sequences(body.n)
         ids = _chat_prompt(ctx.tokenizer, body.messages)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        if max_tokens is None:  # as much as the context and the cache leave
-            max_tokens = max(1, min(ctx.max_model_len, ctx.kv_capacity) - len(ids))
+        max_tokens = body.max_completion_tokens or body.max_tokens or _room(ctx, len(ids))
         top = body.top_logprobs
         if top is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
         params = body.sampling_params(max_tokens, (top or 0) if body.logprobs else None, None)
         _check(ids, params, ctx, "messages")
         runs = make_runs(f"chatcmpl-{secrets.token_hex(12)}", [ids], params, ctx.tokenizer)
-        response = ChatResponder(ctx.tokenizer, ctx.model_name, body, runs)
-        if body.stream:
-            return sse(response.chunks(generate(ctx.engine, runs, ctx.eos_token_ids,
-                                                 ctx.metrics)))
-        return await _complete(raw, runs, ctx, response.response)
+        response = ChatResponder(ctx.tokenizer, ctx.model_name, body, runs,
+                                 ctx.report_cached_tokens)
+        return await run(runs, body.stream, response, raw)
 
     return app
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _room(ctx: ServerContext, prompt_len: int) -> int:
+    """New tokens a prompt leaves room for (`max_tokens` absent or null)."""
+    return max(1, min(ctx.max_model_len, ctx.kv_capacity) - prompt_len)
+
+
+def _is_ids(prompt) -> bool:
+    return bool(prompt) and all(isinstance(p, int) for p in prompt)
+
+
+def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    def answer(e: APIError) -> JSONResponse:
+        if e.status < 500 and e.status not in (401, 413, 429):  # those count where raised
+            metrics.reject("not_found" if e.status == 404 else "invalid")
+        return e.response()
+
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return e.response()
+        return answer(e)
 
     @app.exception_handler(UserError)
     async def user_error(_: Request, e: UserError) -> JSONResponse:
-        return APIError(400, str(e), e.param).response()
+        return answer(APIError(400, str(e), e.param))
 
     @app.exception_handler(EngineDead)
     async def engine_dead(_: Request, e: EngineDead) -> JSONResponse:
-        return APIError(503, f"the engine is not running: {e}", type_="server_error").response()
+        return APIError(503, "the engine is not running", type_="server_error").response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0]
         if first.get("type") == "json_invalid":
-            return APIError(400, f"malformed JSON body: {first.get('msg')}").response()
+            return answer(APIError(400, f"malformed JSON body: {first.get('msg')}"))
         fields = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = fields[0] if fields else None
         where = ".".join(fields) or "body"
-        return APIError(400, f"{where}: {first.get('msg')}", param).response()
+        return answer(APIError(400, f"{where}: {first.get('msg')}", param))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return APIError(e.status_code, str(e.detail),
-                        type_="not_found_error" if e.status_code == 404 else
-                        "invalid_request_error").response()
+        return answer(APIError(e.status_code, str(e.detail),
+                               type_="not_found_error" if e.status_code == 404 else
+                               "invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception) -> JSONResponse:
+        # A bug, not the client's doing: its trace goes to the server's log (uvicorn logs
+        # what this handler answered), not to the client.
+        return APIError(500, "internal error (see the server's log)",
+                        type_="server_error").response()
 
 
 def _check(ids: list[int], params: SamplingParams, ctx: ServerContext, prompt_field: str) -> None:
@@ -213,12 +281,20 @@ def _completion_prompts(tokenizer, prompt) -> tuple[list[list[int]], list[str]]:
     prompts, texts = [], []
     for p in prompt:
         if isinstance(p, str):
-            prompts.append(list(tokenizer(p)["input_ids"]))
+            prompts.append(_tokenize(tokenizer, p, "prompt"))
             texts.append(p)
         else:
             prompts.append(list(p))
             texts.append(None)
     return prompts, texts
+
+
+def _tokenize(tokenizer, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`; 400 if the tokenizer cannot take it (a lone surrogate)."""
+    try:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    except Exception as e:  # noqa: BLE001 - the text's fault: the tokenizer is fine otherwise
+        raise APIError(400, f"{field} cannot be tokenized: {e}", field) from None
 
 
 def _chat_prompt(tokenizer, messages: list[ChatMessage]) -> list[int]:
@@ -242,12 +318,11 @@ def _chat_prompt(tokenizer, messages: list[ChatMessage]) -> list[int]:
     return list(ids)
 
 
-async def _complete(raw: Request, runs: list[PromptRun], ctx: ServerContext,
-                    respond) -> Response:
+async def _complete(raw: Request, runs: list[PromptRun], events, respond) -> Response:
     """Run a non-streamed request to the end, aborting it if the client goes away."""
 
     async def drain() -> None:
-        async for _ in generate(ctx.engine, runs, ctx.eos_token_ids, ctx.metrics):
+        async for _ in events:
             pass
 
     task = asyncio.ensure_future(drain())
@@ -257,7 +332,7 @@ async def _complete(raw: Request, runs: list[PromptRun], ctx: ServerContext,
             task.result()
             break
         if await raw.is_disconnected():
-            task.cancel()  # the generator's cleanup aborts the request
+            task.cancel()  # the caller aborts the request
             return Response(status_code=499)
     failed = [s.error for run in runs for s in run.states if s.finish_reason == "error"]
     if failed:

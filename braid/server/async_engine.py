@@ -51,6 +51,8 @@ class AsyncEngine:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead: str | None = None  # why, once the engine is gone
+        self._sequences_sent = 0
+        self._stats: EngineStats | None = None  # the latest the engine sent
         self._closing = False
         self.on_stats: Callable[[EngineStats], None] = lambda stats: None
         self.on_dead: Callable[[str], None] = lambda reason: None
@@ -79,11 +81,21 @@ class AsyncEngine:
         threading.Thread(target=self._receive_forever, name="braid-engine-reader",
                          daemon=True).start()
 
+    @property
+    def queued_sequences(self) -> int:
+        """Sequences submitted and not yet admitted: those the engine reported waiting, plus
+        those sent since that the engine had not received yet."""
+        stats = self._stats
+        if stats is None:
+            return self._sequences_sent
+        return stats.num_waiting + self._sequences_sent - stats.num_sequences_received
+
     def add(self, request: Request, deltas: asyncio.Queue) -> None:
         """Submit a request; its deltas (or `EngineDead`) will arrive on `deltas`."""
         if self.dead is not None:
             raise EngineDead(self.dead)
         self._queues[request.request_id] = deltas
+        self._sequences_sent += request.params.n
         self._outbox.put(("add", request))
 
     def abort(self, request_id: str, index: int | None = None) -> None:
@@ -155,6 +167,7 @@ class AsyncEngine:
         return True
 
     def _dispatch(self, deltas: list[SequenceDelta], stats: EngineStats) -> None:
+        self._stats = stats
         for delta in deltas:
             target = self._queues.get(delta.request_id)
             if target is not None:

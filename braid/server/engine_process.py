@@ -81,9 +81,10 @@ def serve(core: EngineCore, conn: Connection) -> None:
                 request = command[1]
                 try:
                     core.add(request)
-                except UserError as e:
+                except Exception as e:  # noqa: BLE001 - a request's own fault fails it alone
+                    error = str(e) if isinstance(e, UserError) else f"refused: {e!r}"
                     refused += [SequenceDelta(request.request_id, i, finish_reason="error",
-                                              error=str(e)) for i in range(request.params.n)]
+                                              error=error) for i in range(request.params.n)]
             elif command[0] == "abort":
                 core.abort(*command[1:])
         if core.has_work:

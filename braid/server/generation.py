@@ -2,7 +2,8 @@
 text events by each completion's `CompletionState` (detokenization, stop strings).
 
 Whatever ends the iteration (all completions finished, the client gone, an error), the
-request's unfinished completions are aborted in the engine, so their KV blocks are freed.
+request's unfinished completions are aborted in the engine, so their KV blocks are freed. A
+completion whose text cannot be made (a detokenizer failure) ends with an error alone.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class PromptRun:
     prompt_ids: list[int]
     params: SamplingParams
     states: list[CompletionState]
+    group: str  # the HTTP request's id: admission takes turns between groups
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
     arrival: float = field(default_factory=time.monotonic)
@@ -50,24 +52,48 @@ class TextEvent:
 
 def make_runs(base_id: str, prompts: list[list[int]], params: SamplingParams,
               tokenizer) -> list[PromptRun]:
-    """One run per prompt, ids `{base_id}-{i}`."""
+    """One run per prompt, ids `{base_id}-{i}`, all in group `base_id`."""
     return [PromptRun(f"{base_id}-{i}", ids, params,
-                      [CompletionState(tokenizer, ids, params, k) for k in range(params.n)])
+                      [CompletionState(tokenizer, ids, params, k) for k in range(params.n)],
+                      base_id)
             for i, ids in enumerate(prompts)]
 
 
-async def generate(engine: AsyncEngine, runs: list[PromptRun], eos_token_ids: frozenset[int],
-                   metrics: Metrics) -> AsyncIterator[TextEvent]:
-    """Run every prompt and yield text events as deltas arrive, until all completions end.
-    Raises `EngineDead` if the engine fails meanwhile."""
+def submit(engine: AsyncEngine, runs: list[PromptRun], eos_token_ids: frozenset[int],
+           metrics: Metrics) -> asyncio.Queue:
+    """Send every prompt to the engine now, so that admission control counts them before the
+    next request is looked at; the queue their deltas arrive on. Whoever submits must end
+    with `close` (`generate` does, and so must a response that never starts it)."""
     deltas: asyncio.Queue = asyncio.Queue()
-    by_id = {run.request_id: (i, run) for i, run in enumerate(runs)}
     try:
         for run in runs:
             metrics.prompt_tokens.inc(len(run.prompt_ids))
-            engine.add(Request(run.request_id, run.prompt_ids, run.params, eos_token_ids),
-                       deltas)
-        while not all(run.finished for run in runs):
+            engine.add(Request(run.request_id, run.prompt_ids, run.params, eos_token_ids,
+                               group=run.group), deltas)
+    except BaseException:
+        close(engine, runs)
+        raise
+    return deltas
+
+
+def close(engine: AsyncEngine, runs: list[PromptRun]) -> None:
+    """Abort the runs' unfinished completions in the engine (their KV blocks are freed) and
+    stop routing their deltas. Idempotent."""
+    for run in runs:
+        if not run.finished:
+            engine.abort(run.request_id)
+        engine.release(run.request_id)
+
+
+async def generate(engine: AsyncEngine, runs: list[PromptRun], deltas: asyncio.Queue,
+                   metrics: Metrics) -> AsyncIterator[TextEvent]:
+    """Yield text events of submitted runs as their deltas arrive, until all completions
+    end; then `close` them, however the iteration ends. Raises `EngineDead` if the engine
+    fails meanwhile."""
+    by_id = {run.request_id: (i, run) for i, run in enumerate(runs)}
+    unfinished = sum(len(run.states) for run in runs)
+    try:
+        while unfinished:
             item = await deltas.get()
             if isinstance(item, EngineDead):
                 raise item
@@ -76,6 +102,7 @@ async def generate(engine: AsyncEngine, runs: list[PromptRun], eos_token_ids: fr
                 for state in run.states:
                     if not state.finished:
                         state.finish_reason = "abort"
+                        unfinished -= 1
                         yield TextEvent(i, run, state, "", [])
                 _finish_metrics(run, metrics)
                 continue
@@ -88,17 +115,20 @@ async def generate(engine: AsyncEngine, runs: list[PromptRun], eos_token_ids: fr
                 run.prompt_logprobs = [None, *item.prompt_logprobs]
             if item.num_prompt_tokens:
                 run.num_cached_tokens = item.num_cached_tokens
-            text, logprobs = state.update(item)
-            if state.finished and item.finish_reason is None:
-                engine.abort(run.request_id, item.index)  # a stop string ended it
-            if run.finished:
-                _finish_metrics(run, metrics)
+            try:
+                text, logprobs = state.update(item)
+            except Exception as e:  # noqa: BLE001 - this completion's text failed, not others
+                state.fail(f"detokenizing failed: {e!r}")
+                text, logprobs = "", []
+            if state.finished:
+                unfinished -= 1
+                if item.finish_reason is None:
+                    engine.abort(run.request_id, item.index)  # a stop string or a failure
+                if run.finished:
+                    _finish_metrics(run, metrics)
             yield TextEvent(i, run, state, text, logprobs)
     finally:
-        for run in runs:
-            if not run.finished:
-                engine.abort(run.request_id)
-            engine.release(run.request_id)
+        close(engine, runs)
 
 
 def _record_timing(run: PromptRun, delta: SequenceDelta, metrics: Metrics) -> None:
@@ -121,11 +151,14 @@ def _finish_metrics(run: PromptRun, metrics: Metrics) -> None:
         metrics.requests.labels(finished_reason=state.finish_reason).inc()
 
 
-def usage(runs: list[PromptRun]) -> dict:
+def usage(runs: list[PromptRun], report_cached: bool = True) -> dict:
     """OpenAI's usage block: prompt tokens once per prompt, completion tokens of every
-    completion, and the prompt tokens found in the prefix cache."""
+    completion, and (`report_cached`) the prompt tokens found in the prefix cache."""
     prompt = sum(len(run.prompt_ids) for run in runs)
     completion = sum(len(state.token_ids) for run in runs for state in run.states)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens for r in runs)}}
+    block = {"prompt_tokens": prompt, "completion_tokens": completion,
+             "total_tokens": prompt + completion}
+    if report_cached:
+        block["prompt_tokens_details"] = {"cached_tokens": sum(r.num_cached_tokens
+                                                               for r in runs)}
+    return block

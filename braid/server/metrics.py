@@ -56,6 +56,13 @@ class Metrics:
                                          registry=r)
         self.requests = Counter("braid:request_success", "Requests finished, by reason",
                                 ["finished_reason"], registry=r)
+        self.rejected = Counter("braid:requests_rejected",
+                                "Requests answered with an error before any work: "
+                                "unauthorized (401), body_too_large (413), queue_full (429), "
+                                "not_found (404) or invalid (other 4xx)", ["reason"], registry=r)
+        self.queued = Gauge("braid:num_sequences_queued",
+                            "Sequences accepted and not yet admitted, as admission control "
+                            "counts them (--max-queued-sequences)", registry=r)
         self.ttft = Histogram("braid:time_to_first_token_seconds",
                               "Time from arrival to the first generated token",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -65,6 +72,10 @@ class Metrics:
         self.e2e = Histogram("braid:e2e_request_latency_seconds",
                              "Time from arrival to the last token", buckets=_LATENCY_BUCKETS,
                              registry=r)
+
+    def reject(self, reason: str) -> None:
+        """Count a request refused before any work (a `rejected` reason)."""
+        self.rejected.labels(reason=reason).inc()
 
     def update_engine(self, stats: EngineStats) -> None:
         self.running.set(stats.num_running)

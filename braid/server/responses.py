@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
@@ -16,18 +16,33 @@ from braid.server.generation import PromptRun, TextEvent, usage
 from braid.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 
-def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+class _Stream(StreamingResponse):
+    """A streaming response that calls `on_close` when it ends, however it ends (also when
+    the client left before the body began, so the generator never ran)."""
+
+    def __init__(self, content, on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def sse(chunks: AsyncIterator[dict], on_close: Callable[[], None]) -> StreamingResponse:
     """Server-sent events in OpenAI's format, ending with `data: [DONE]`."""
 
     async def lines() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
-        except EngineDead as e:
-            yield f"data: {json.dumps(error_body(f'the engine stopped: {e}', 'server_error'))}\n\n"
+        except EngineDead:  # why is in the server's log
+            yield f"data: {json.dumps(error_body('the engine stopped', 'server_error'))}\n\n"
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(lines(), media_type="text/event-stream")
+    return _Stream(lines(), on_close)
 
 
 class TokenText:
@@ -49,8 +64,10 @@ class _Responder:
 
     object_name = ""
 
-    def __init__(self, tokenizer, model_name: str, body, runs: list[PromptRun]) -> None:
+    def __init__(self, tokenizer, model_name: str, body, runs: list[PromptRun],
+                 report_cached: bool = True) -> None:
         self.model_name, self.request, self.runs = model_name, body, runs
+        self.report_cached = report_cached
         self.id = runs[0].request_id.rsplit("-", 1)[0]
         self.created = int(time.time())
         self.token_text = TokenText(tokenizer)
@@ -61,6 +78,9 @@ class _Responder:
 
     def include_usage(self) -> bool:
         return bool(self.request.stream_options and self.request.stream_options.include_usage)
+
+    def usage(self) -> dict:
+        return usage(self.runs, self.report_cached)
 
     def error_chunk(self, event: TextEvent) -> dict | None:
         if event.state.finish_reason == "error":
@@ -74,8 +94,9 @@ class CompletionResponder(_Responder):
     object_name = "text_completion"
 
     def __init__(self, tokenizer, model_name: str, body: CompletionRequest,
-                 runs: list[PromptRun], texts: list[str | None]) -> None:
-        super().__init__(tokenizer, model_name, body, runs)
+                 runs: list[PromptRun], texts: list[str | None],
+                 report_cached: bool = True) -> None:
+        super().__init__(tokenizer, model_name, body, runs, report_cached)
         self.prompt_texts = [t if t is not None else tokenizer.decode(run.prompt_ids)
                              for t, run in zip(texts, runs)]
 
@@ -85,16 +106,21 @@ class CompletionResponder(_Responder):
     def response(self) -> dict:
         choices = []
         for i, run in enumerate(self.runs):
+            echoed = None  # the prompt's logprobs: made once, shared by the run's n choices
+            if self.request.logprobs is not None:
+                echoed = self._logprobs(self._prompt_entries(run), 0)
             for state in run.states:
                 text = (self.prompt_texts[i] if self.request.echo else "") + state.text
                 logprobs = None
-                if self.request.logprobs is not None:
-                    entries = self._prompt_entries(run) + list(state.logprobs)
-                    logprobs = self._logprobs(entries, 0)
+                if echoed is not None:
+                    end = echoed["text_offset"][-1] + len(echoed["tokens"][-1]) if (
+                        echoed["tokens"]) else 0
+                    generated = self._logprobs(list(state.logprobs), end)
+                    logprobs = {key: echoed[key] + generated[key] for key in echoed}
                 choices.append({"index": self.choice_index(i, state), "text": text,
                                 "logprobs": logprobs, "finish_reason": state.finish_reason,
                                 "stop_reason": state.stop_reason})
-        return self.envelope(choices, usage=usage(self.runs))
+        return self.envelope(choices, usage=self.usage())
 
     async def chunks(self, events: AsyncIterator[TextEvent]) -> AsyncIterator[dict]:
         offsets: dict[int, int] = {}
@@ -124,7 +150,7 @@ class CompletionResponder(_Responder):
                                   "finish_reason": finish,
                                   "stop_reason": event.state.stop_reason if finish else None}])
         if self.include_usage():
-            yield self.envelope([], usage=usage(self.runs))
+            yield self.envelope([], usage=self.usage())
 
     def _prompt_entries(self, run: PromptRun) -> list:
         """Echo: (token id, entry) of every prompt token; the first has no logprob."""
@@ -159,8 +185,8 @@ class ChatResponder(_Responder):
     """`/v1/chat/completions` responses."""
 
     def __init__(self, tokenizer, model_name: str, body: ChatCompletionRequest,
-                 runs: list[PromptRun]) -> None:
-        super().__init__(tokenizer, model_name, body, runs)
+                 runs: list[PromptRun], report_cached: bool = True) -> None:
+        super().__init__(tokenizer, model_name, body, runs, report_cached)
         self.object_name = "chat.completion.chunk" if body.stream else "chat.completion"
 
     def response(self) -> dict:
@@ -171,7 +197,7 @@ class ChatResponder(_Responder):
                 "message": {"role": "assistant", "content": state.text},
                 "logprobs": self._logprobs(state.logprobs) if self.request.logprobs else None,
                 "finish_reason": state.finish_reason, "stop_reason": state.stop_reason})
-        return self.envelope(choices, usage=usage(self.runs))
+        return self.envelope(choices, usage=self.usage())
 
     async def chunks(self, events: AsyncIterator[TextEvent]) -> AsyncIterator[dict]:
         started: set[int] = set()
@@ -199,7 +225,7 @@ class ChatResponder(_Responder):
                 "finish_reason": finish,
                 "stop_reason": event.state.stop_reason if finish else None}])
         if self.include_usage():
-            yield self.envelope([], usage=usage(self.runs))
+            yield self.envelope([], usage=self.usage())
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict:
         def item(token_id: int, logprob: float) -> dict:

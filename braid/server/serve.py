@@ -28,6 +28,7 @@ from braid.models.registry import model_class
 from braid.server.api import ServerContext, build_app
 from braid.server.async_engine import AsyncEngine
 from braid.server.metrics import Metrics
+from braid.server.protocol import RequestLimits
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,11 @@ class ServeSettings:
     port: int = 30000
     served_model_name: str | None = None  # default: the checkpoint's file or folder name
     api_key: str | None = None
+    api_key_all_routes: bool = False  # the key on /health and /metrics too
     log_level: str = "info"
     shutdown_timeout: float = 5.0
+    limits: RequestLimits = RequestLimits()
+    report_cached_tokens: bool = True
 
 
 class _Server(uvicorn.Server):
@@ -91,7 +95,10 @@ def run_server(config: EngineConfig, settings: ServeSettings) -> int:
             model_path=config.model,
             kv_capacity=kv_capacity_tokens(config.max_total_tokens, config.block_size),
             eos_token_ids=eos_token_ids(model_config, tokenizer), metrics=metrics,
-            api_key=settings.api_key, created=int(time.time()))
+            api_key=settings.api_key, api_key_all_routes=settings.api_key_all_routes,
+            limits=settings.limits, report_cached_tokens=settings.report_cached_tokens,
+            created=int(time.time()))
+        metrics.queued.set_function(lambda: engine.queued_sequences)
         server = _Server(uvicorn.Config(build_app(ctx), host=settings.host, port=settings.port,
                                         log_level=settings.log_level,
                                         timeout_graceful_shutdown=settings.shutdown_timeout + 2),
