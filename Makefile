@@ -40,7 +40,7 @@ bench-deps: $(STAMP)
 	$(BIN)/pip install "$(LLAMA_CPP)"
 
 lint: $(STAMP)
-	$(BIN)/ruff check braid tests
+	$(BIN)/ruff check braid tests scripts
 
 clean:
 	rm -rf $(VENV) build *.egg-info

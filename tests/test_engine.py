@@ -242,6 +242,17 @@ def test_a_row_whose_parameters_fail_fails_alone():
     assert result.logprobs[2].token_id == 7 and result.logprobs[0] is None
 
 
+def test_degenerate_float_parameters_still_sample():
+    # Found by the API fuzzer: a top_p of 5e-324 is 0 in float32 and dropped every token (NaN,
+    # a 500); a temperature below 1e-5 overflowed the division; a repetition penalty of
+    # 5e-324 made the penalized logits infinite.
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    assert draw(logits, sampling_batch(1, top_p=5e-324), torch.Generator()) == [1]
+    assert SamplingParams(temperature=1e-40).temperature == 0.0
+    with pytest.raises(UserError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=5e-324)
+
+
 def test_a_row_with_nan_logits_fails_alone():
     logits = torch.randn(3, 20)
     logits[1] = float("nan")

@@ -14,6 +14,11 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias: -100 bans, 100 forces
 _INT64 = 1 << 63
 _TOP_K_NO_LIMIT = 1 << 31  # top_k beyond any vocabulary: no limit (kept in an int64 array)
+# Sampling runs in float32: a temperature below this is greedy (vLLM's rule; dividing by it
+# would overflow), and a repetition penalty is kept within a range whose divisions stay finite.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 1e4
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         if self.top_k >= _TOP_K_NO_LIMIT:
             object.__setattr__(self, "top_k", 0)
+        if 0 < self.temperature < GREEDY_BELOW_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty")
         for name in floats:
@@ -69,7 +76,8 @@ class SamplingParams:
                                 name)
         checks = [
             (self.max_new_tokens >= 1, "max_new_tokens", "at least 1"),
-            (self.temperature >= 0, "temperature", ">= 0"),
+            (0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+             f"in [0, {MAX_TEMPERATURE:g}]"),
             (0 < self.top_p <= 1, "top_p", "in (0, 1]"),
             (self.top_k >= 0, "top_k", ">= 0 (0 disables it)"),
             (0 <= self.min_p <= 1, "min_p", "in [0, 1]"),
@@ -77,7 +85,9 @@ class SamplingParams:
             (self.min_tokens >= 0, "min_tokens", ">= 0"),
             (self.min_tokens <= self.max_new_tokens, "min_tokens", "at most max_new_tokens"),
             (self.n >= 1, "n", "at least 1"),
-            (self.repetition_penalty > 0, "repetition_penalty", "> 0"),
+            (REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty
+             <= REPETITION_PENALTY_RANGE[1], "repetition_penalty",
+             "in [{:g}, {:g}]".format(*REPETITION_PENALTY_RANGE)),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",

@@ -185,9 +185,11 @@ def _filtered_probs(logits: torch.Tensor, top_ks: list[int], top_ps: torch.Tenso
     k = torch.tensor([kk if kk > 0 else logits.shape[-1] for kk in top_ks], device=logits.device)
     drop = ranks[None, :] >= k[:, None]
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the token crossing it is kept).
+    # Keep the smallest prefix whose mass reaches top_p (the token crossing it is kept), and
+    # always the most likely token (a top_p that is 0 in float32 keeps just that one).
     before = probs.cumsum(dim=-1) - probs
     drop |= before >= top_ps[:, None]
+    drop[:, 0] = False
     drop |= probs < min_ps[:, None] * probs[:, :1]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)

@@ -116,23 +116,25 @@ def build_app(ctx: ServerContext) -> FastAPI:
             raise APIError(400, f"`{name}` is not supported by braid: leave it out", name,
                            code="unsupported_field")
 
-    def check_sequences(count: int) -> None:
-        """400 for more completions in one request than a request may ask for."""
+    def check_capacity(count: int) -> None:
+        """Before any work on a request of `count` completions: 400 beyond what one request
+        may ask for, 429 if the queue has no room for them. Nothing awaits between this and
+        the request's `submit`, so no other request can take the room meanwhile."""
         limit = ctx.limits.max_sequences_per_request
         if count > limit:
             raise APIError(400, f"the request asks for {count} completions (prompts x n); "
                                 f"this server allows {limit} (--max-sequences-per-request)",
                            "n")
-
-    async def run(runs: list[PromptRun], stream: bool, response, raw: Request) -> Response:
-        """Queue the runs (429 if the queue has no room for them) and answer with their
-        stream or, once they are done, their response."""
         limit = ctx.limits.max_queued_sequences
-        if ctx.engine.queued_sequences + sum(len(r.states) for r in runs) > limit:
+        if ctx.engine.queued_sequences + count > limit:
             reject("queue_full")
             raise APIError(429, f"the server's queue is full ({limit} sequences waiting, "
                                 "--max-queued-sequences): retry later", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    async def run(runs: list[PromptRun], stream: bool, response, raw: Request) -> Response:
+        """Queue the runs and answer with their stream or, once they are done, their
+        response."""
         deltas = submit(ctx.engine, runs, ctx.eos_token_ids, ctx.metrics)
         events = generate(ctx.engine, runs, deltas, ctx.metrics)
         if stream:
@@ -180,7 +182,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         check_fields(body)
         n_prompts = 1 if isinstance(body.prompt, str) or _is_ids(body.prompt) else len(
             body.prompt)
-        check_sequences(n_prompts * body.n)
+        check_capacity(n_prompts * body.n)
         prompts, texts = _completion_prompts(ctx.tokenizer, body.prompt)
         max_tokens = body.max_tokens or _room(ctx, max(len(p) for p in prompts))
         logprobs = body.logprobs
@@ -196,7 +198,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @post("/v1/chat/completions", models.chat)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         check_fields(body)
-        check_sequences(body.n)
+        check_capacity(body.n)
         ids = _chat_prompt(ctx.tokenizer, body.messages)
         max_tokens = body.max_completion_tokens or body.max_tokens or _room(ctx, len(ids))
         top = body.top_logprobs

@@ -16,7 +16,13 @@ from typing import Annotated, Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from braid.config import UserError
-from braid.engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from braid.engine.request import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_TEMPERATURE,
+    REPETITION_PENALTY_RANGE,
+    SamplingParams,
+)
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,7 @@ class SamplingFields(OpenAIModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # extras: see unsupported_field
 
     model: str | None = None
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off; beyond the vocabulary: off
     min_p: float | None = Field(None, ge=0, le=1)
@@ -68,7 +74,8 @@ class SamplingFields(OpenAIModel):
     min_tokens: int = Field(0, ge=0)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0],
+                                      le=REPETITION_PENALTY_RANGE[1])
     skip_special_tokens: bool = True
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None \
         = None  # token id (as a string) -> added to its logit

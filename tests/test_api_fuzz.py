@@ -1,0 +1,333 @@
+"""A property-based fuzz of `braid serve --tp 2` from its own OpenAPI schema (schemathesis):
+every operation, first schemathesis' boundary cases, then random bodies, schema-valid and not.
+No answer may be a 5xx, a dropped connection or a streamed `server_error` event, and the server
+must still complete a prompt afterwards.
+
+One test drives schemathesis from Python and collects every failure, so a run reports all of
+them at once (each with the body that was sent and the server's exception) instead of stopping
+at the first, and the fuzz stays one pytest item bounded in time (`FUZZ_BUDGET_S`)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import hypothesis
+import pydantic
+import requests
+import schemathesis
+from conftest import API_KEY
+from hypothesis import HealthCheck, Phase
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+
+from braid.config import load_model_config
+from braid.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# Wall-clock budget of all fuzz requests on a 2-core host (the server's start is the fixture's):
+# what is left of it when the boundary cases are done goes to the random ones, and cases drawn
+# after it are not sent (the closing line counts them). Schema-valid random bodies for the two
+# generating operations reach the engine and take longest, so they get GENERATING_SHARE times
+# the time of any other operation and mode.
+FUZZ_BUDGET_S = 40
+GENERATING_SHARE = 4
+RANDOM_EXAMPLES = 100  # random cases per operation and generation mode (Hypothesis' max_examples)
+REQUEST_TIMEOUT_S = 15  # any answer slower than this, with the caps below, is a hang
+# Generation is the only costly thing a request can ask for, so generated bodies ask for little:
+# `max_tokens` (and `max_completion_tokens`) above MAX_TOKENS become MAX_TOKENS and `n` above
+# MAX_N becomes MAX_N, and a request without a limit, or with a null one, gets MAX_TOKENS (the
+# server's default is 16 tokens for a completion and whatever the context leaves for a chat, and
+# null is whatever the context leaves: thousands of steps). Values from REJECTED_FROM up
+# exceed any context braid serves, so they are sent unchanged and must get a 400; values the
+# schema rejects (0, -1, 129, "x") are also sent unchanged. What counts as a number is what the
+# server's pydantic reads as one (lax: 7064.0 and "7064" are 7064).
+MAX_TOKENS = 2  # a prefill and a decode step
+MAX_N = 2
+REJECTED_FROM = 1 << 20
+MAX_SCHEMA_N = 128  # protocol.SamplingFields.n's bound
+EXAMPLES_SHOWN = 3  # bodies the report shows of each kind of failure
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+_INT = pydantic.TypeAdapter(int)
+# The top-level fields each body model reads (the report leaves out the others, which the server
+# ignores, so a reproducing body stays readable).
+FIELDS = {COMPLETIONS_PATH: CompletionRequest, CHAT_PATH: ChatCompletionRequest,
+          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+
+@dataclass
+class Failure:
+    """One answer that broke the rule: what was sent, what came back, what the server logged."""
+
+    method: str
+    path: str
+    content_type: str
+    body: str  # as sent
+    fields: str  # the fields the server reads, where the body is an object
+    status: str
+    text: str
+    server_error: str
+
+    def key(self) -> tuple:
+        return self.method, self.path, self.status, self.server_error or self.text[:200]
+
+    def __str__(self) -> str:
+        shown = (f"    fields: {self.fields}\n    sent: {self.body[:300]}" if self.fields
+                 else f"    body: {self.body[:600]}")
+        return (f"{self.method} {self.path} -> {self.status}: {self.text[:300]!r}\n"
+                f"    server: {self.server_error or '(nothing logged)'}\n"
+                f"    content-type: {self.content_type}\n{shown}")
+
+
+def _as_int(value) -> int | None:
+    """`value` as the server reads an int field, or None where it reads none."""
+    try:
+        return _INT.validate_python(value)
+    except pydantic.ValidationError:
+        return None
+
+
+def cheap(path: str, body):
+    """`body` asking for at most MAX_TOKENS tokens and MAX_N completions (see MAX_TOKENS)."""
+    if not isinstance(body, dict):
+        return body
+    body = dict(body)
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = _as_int(body.get(field))
+        if value is not None and MAX_TOKENS < value < REJECTED_FROM:
+            body[field] = MAX_TOKENS
+    n = _as_int(body.get("n"))
+    if n is not None and MAX_N < n <= MAX_SCHEMA_N:
+        body["n"] = MAX_N
+    limits = {COMPLETIONS_PATH: ("max_tokens",),
+              CHAT_PATH: ("max_tokens", "max_completion_tokens")}.get(path, ())
+    if limits and all(body.get(field) is None for field in limits):
+        body["max_tokens"] = MAX_TOKENS
+    return body
+
+
+def reachable(path: str, body, model: str, vocab: int):
+    """`body` past the checks that turn away nearly every random body before the tokenizer or
+    the engine sees it, so that random sampling fields get generated with: the served model's
+    name for a random one (a 404), text for an empty prompt and for a message without content
+    (no tokens; the chat template needs content), token ids modulo the vocabulary, a prompt to
+    tokenize where neither `prompt` nor `messages` is given. The boundary cases keep all of these
+    as they are."""
+    if not isinstance(body, dict):
+        return body
+    body = dict(body)
+    if isinstance(body.get("model"), str):
+        body["model"] = model
+    if path == COMPLETIONS_PATH and "prompt" in body:
+        body["prompt"] = _reachable_prompt(body["prompt"], vocab)
+    if path == "/tokenize" and body.get("prompt") is None and body.get("messages") is None:
+        body["prompt"] = "Hi"
+    if path in (CHAT_PATH, "/tokenize") and isinstance(body.get("messages"), list):
+        body["messages"] = [{**m, "content": "Hi"}
+                            if isinstance(m, dict) and m.get("content") is None else m
+                            for m in body["messages"]]
+    return body
+
+
+def _reachable_prompt(prompt, vocab: int):
+    if isinstance(prompt, str):
+        return prompt or "Hi"
+    if _as_int(prompt) is not None and not isinstance(prompt, bool):
+        return _as_int(prompt) % vocab
+    if isinstance(prompt, list):
+        return [_reachable_prompt(p, vocab) for p in prompt]
+    return prompt
+
+
+def _fields(path: str, body) -> str:
+    """The fields of `body` that the server reads, as JSON ('' where it reads no object)."""
+    model = FIELDS.get(path)
+    if model is None or not isinstance(body, dict):
+        return ""
+    return json.dumps({k: v for k, v in body.items() if k in model.model_fields})
+
+
+def _shown(data: bytes | str | None) -> str:
+    if data is None:
+        return "(none)"
+    if isinstance(data, bytes):
+        return data.decode("utf-8", "backslashreplace")
+    return data
+
+
+def _server_exception(server, offset: int, text: str) -> str:
+    """The last exception line the server logged after byte `offset` of its log. An unhandled
+    exception (Starlette's plain-text 500) is logged after its 500 is sent: wait for it a
+    little (the time counts against the budget)."""
+    deadline = time.monotonic() + (1.0 if text == "Internal Server Error" else 0.0)
+    while True:
+        with open(server.log, "rb") as log:
+            log.seek(offset)
+            new = log.read().decode("utf-8", "replace")
+        lines = re.findall(r"^[\w.]*(?:Error|Exception|Exit|Interrupt)\b.*$", new, re.MULTILINE)
+        if lines or time.monotonic() > deadline:
+            return lines[-1][:300] if lines else ""
+        time.sleep(0.1)
+
+
+class Fuzzer:
+    """Sends cases to the server one at a time and keeps every failure."""
+
+    def __init__(self, server, budget_s: float) -> None:
+        self.server = server
+        self.deadline = time.monotonic() + budget_s
+        self.sent = 0
+        self.skipped = 0  # drawn past the budget, or after the server died
+        self.unencodable = 0
+        self.failures: list[Failure] = []
+        self.statuses: Counter[tuple[str, str]] = Counter()  # (operation, status): answers
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def send(self, case: schemathesis.Case, adjust: Callable | None = None) -> None:
+        """Send `case` (its body first through `adjust`) and check the answer. No session is
+        shared, so each request opens its own connection and a dropped one is never resent
+        (schemathesis resends a request once on a reused keep-alive connection that drops)."""
+        if self.out_of_time() or self.server.proc.poll() is not None:
+            self.skipped += 1
+            return
+        if isinstance(case.body, dict):
+            body = cheap(case.path, case.body)
+            case.body = adjust(case.path, body) if adjust is not None else body
+        offset = self.server.log.stat().st_size
+        try:
+            response = case.call(base_url=self.server.base_url, headers=AUTH,
+                                 timeout=REQUEST_TIMEOUT_S)
+        except schemathesis.errors.SerializationNotPossible:
+            self.unencodable += 1  # a media type schemathesis cannot encode: nothing sent
+            return
+        except requests.RequestException as e:
+            self.sent += 1
+            request = e.request
+            self._fail(case, request.headers.get("Content-Type", "") if request else "",
+                       request.body if request else None, "no answer",
+                       f"{type(e).__name__}: {e}", offset)
+            return
+        self.sent += 1
+        self.statuses[case.operation.label, str(response.status_code)] += 1
+        request = response.request
+        try:
+            case.validate_response(response, checks=[not_a_server_error])
+        except schemathesis.errors.FailureGroup:
+            self._fail(case, request.headers.get("Content-Type", ""), request.body,
+                       str(response.status_code), response.text, offset)
+            return
+        if "event-stream" in response.headers.get("content-type", [""])[0] and \
+                re.search(r'"type":\s*"server_error"', response.text):
+            # A stream's status is sent before generation starts: a server error mid-stream is
+            # an event.
+            self._fail(case, request.headers.get("Content-Type", ""), request.body,
+                       f"{response.status_code} (stream)", response.text, offset)
+
+    def _fail(self, case, content_type: str, body, status: str, text: str, offset: int) -> None:
+        self.failures.append(Failure(case.method, case.path, content_type, _shown(body),
+                                     _fields(case.path, case.body), status, text,
+                                     _server_exception(self.server, offset, text)))
+
+    def distinct(self) -> list[list[Failure]]:
+        """The failures by kind (same operation, status and error), shortest bodies first."""
+        kinds: dict[tuple, list[Failure]] = {}
+        for failure in self.failures:
+            kinds.setdefault(failure.key(), []).append(failure)
+        return [sorted(group, key=lambda f: len(f.body)) for group in kinds.values()]
+
+
+def fuzz_randomly(fuzzer: Fuzzer, operation, mode: GenerationMode, adjust: Callable) -> None:
+    """Up to RANDOM_EXAMPLES random cases of `operation` in `mode`. Hypothesis only draws them:
+    the test body never raises, so there is no shrinking and nothing stored in a database."""
+
+    @hypothesis.settings(max_examples=RANDOM_EXAMPLES, deadline=None, database=None,
+                         phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
+    def run(case) -> None:
+        fuzzer.send(case, adjust)
+
+    run()
+
+
+def share(operation, mode: GenerationMode) -> int:
+    """The random phase's time weight of `operation` in `mode` (see GENERATING_SHARE)."""
+    generating = operation.path in (COMPLETIONS_PATH, CHAT_PATH)
+    return GENERATING_SHARE if generating and mode == GenerationMode.POSITIVE else 1
+
+
+def test_fuzz_never_a_server_error(server, model_path):
+    schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json",
+                                           config=schemathesis.Config(), headers=AUTH,
+                                           timeout=30)
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.label for op in operations} >= {
+        "GET /health", "GET /metrics", "GET /v1/models", "POST /tokenize", "POST /detokenize",
+        "POST /v1/completions", "POST /v1/chat/completions"}
+    model = httpx.get(f"{server.base_url}/v1/models", headers=AUTH).json()["data"][0]["id"]
+    vocab = load_model_config(model_path).vocab_size
+    fuzzer = Fuzzer(server, FUZZ_BUDGET_S)
+    start = time.monotonic()
+
+    # Schemathesis' boundary cases: each field at its bounds and just past them, nulls, missing
+    # fields, wrong types, other content types, other HTTP methods.
+    for operation in operations:
+        generation = schema.config.generation_for(operation=operation, phase="coverage")
+        for case in schema.iter_coverage_cases(operation, generation_config=generation,
+                                               generation_modes=list(GenerationMode)):
+            fuzzer.send(case)
+    boundary, boundary_s = fuzzer.sent, time.monotonic() - start
+
+    # Random cases, valid and invalid, steered to reach the engine (`reachable`). Each operation
+    # and mode gets its share of the time left, the quick ones first, so that what they leave
+    # goes to the generating ones.
+    runs = sorted(((share(operation, mode), operation, mode) for operation in operations
+                   for mode in (GenerationMode if operation.body else [GenerationMode.POSITIVE])),
+                  key=lambda run: run[0])
+    end = fuzzer.deadline
+    for i, (weight, operation, mode) in enumerate(runs):
+        left = sum(run[0] for run in runs[i:])
+        fuzzer.deadline = time.monotonic() + (end - time.monotonic()) * weight / left
+        fuzz_randomly(fuzzer, operation, mode,
+                      lambda path, body: reachable(path, body, model, vocab))
+
+    elapsed = time.monotonic() - start
+    distinct = fuzzer.distinct()
+    print(f"\napi fuzz: {fuzzer.sent} requests ({boundary} boundary in {boundary_s:.0f} s, "
+          f"{fuzzer.sent - boundary} random) in {elapsed:.0f} s; not sent: {fuzzer.skipped} "
+          f"past the {FUZZ_BUDGET_S} s budget, {fuzzer.unencodable} unencodable; "
+          f"{len(fuzzer.failures)} 5xx or dropped ({len(distinct)} distinct)")
+    for label in sorted({label for label, _ in fuzzer.statuses}):
+        answers = sorted((status, n) for (op, status), n in fuzzer.statuses.items() if op == label)
+        print(f"  {label}: " + ", ".join(f"{n}x {status}" for status, n in answers))
+
+    # Each kind with its three shortest bodies (one error message may have several causes).
+    report = "\n".join(
+        f"[{len(group)}x] {group[0]}" + "".join(
+            f"\n    also: {f.fields or f.body[:300]}" for f in group[1:EXAMPLES_SHOWN])
+        for group in distinct)
+    # Whatever came before, the server still serves.
+    try:
+        after = httpx.post(f"{server.base_url}/v1/completions", headers=AUTH, timeout=60,
+                           json={"prompt": "Hi", "max_tokens": 2})
+        answer = f"{after.status_code} {after.text}"
+    except httpx.HTTPError as e:
+        answer = f"no answer: {type(e).__name__}: {e}"
+    assert answer.startswith("200 "), (
+        f"after the fuzz, a plain completion got {answer}\nthe fuzz's failures:\n{report}")
+    assert not fuzzer.failures, (
+        f"{len(fuzzer.failures)} of {fuzzer.sent} requests got a 5xx or no answer; "
+        f"{len(distinct)} distinct:\n{report}")
+    assert fuzzer.sent >= 100, "the fuzz sent too few requests to mean anything"
