@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from braid.engine.output import CompletionState, IncrementalDetokenizer
+from braid.engine.output import CompletionState, IncrementalDetokenizer, StopMatcher
 from braid.engine.request import SamplingParams, SequenceDelta
 
 TEXT = "Crabs 🦀 and hearts ❤️: 日本語のテキスト, naïve café. Done!"
@@ -65,3 +67,37 @@ def test_stop_strings_wait_for_min_tokens(tokenizer, min_tokens, finished):
                                                            min_tokens=min_tokens))
     state.update(SequenceDelta("r", 0, ids))
     assert state.finished == finished
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """The plain definition: the earliest end of any stop string; of those, the longest."""
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stops if text[:end].endswith(s)]
+        if ending:
+            return end, max(ending, key=len)
+    return None
+
+
+def _held(text: str, stops: tuple[str, ...]) -> int:
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+def test_the_stop_matcher_agrees_with_the_plain_definition():
+    # One automaton over all stop strings, fed piece by piece, finds what scanning every stop
+    # string's every prefix at every token found (the event loop's cost with many long stop
+    # strings); each character is read once.
+    rng = random.Random(0)
+    for _ in range(2000):
+        stops = tuple({"".join(rng.choice("ab") for _ in range(rng.randint(1, 5)))
+                       for _ in range(rng.randint(1, 4))})
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 12)))
+        matcher, fed, found = StopMatcher(stops), 0, None
+        while fed < len(text) and found is None:
+            piece = text[fed:fed + rng.randint(1, 3)]
+            hit = matcher.feed(piece)
+            if hit is not None:
+                found = (fed + hit[0], hit[1])
+            else:
+                fed += len(piece)
+                assert matcher.held == _held(text[:fed], stops), (stops, text[:fed])
+        assert found == _first_stop(text, stops), (stops, text)
