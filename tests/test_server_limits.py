@@ -1,6 +1,7 @@
-"""Bodies that used to take `braid serve` down, stall it or slip past its checks, each against
-the shared `--tp 2` server (conftest's `server`): every one gets a clear 4xx (or is served
-within its limits) and the server answers the next request."""
+"""Bodies that used to take `braid serve` down, stall it or slip past its checks, against the
+shared `--tp 2` server (conftest's `server`): every one gets a clear 4xx (or is served within
+its limits) and the server answers the next request. Last, what needs no server: /health after
+a crash, where the API key comes from, a completion whose text cannot be made."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from conftest import API_KEY
 from fastapi.testclient import TestClient
 
 from braid.config import default_model_path, load_model_config
+from braid.engine.request import SamplingParams, SequenceDelta
 from braid.server.api import ServerContext, build_app
+from braid.server.generation import generate, make_runs
 from braid.server.metrics import Metrics
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -159,6 +162,32 @@ def test_cache_salt_keeps_tenants_apart(server):
     assert cached(None) == 0
 
 
+def test_echo_logprobs_with_n_agree_streamed_and_not(server):
+    # The prompt's logprobs are scored once (completion 0) and their JSON made once per
+    # prompt, for every choice, streamed or not.
+    body = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
+            "echo": True, "logprobs": 1, "n": 2}
+    whole = post(server, "/v1/completions", body).json()["choices"]
+    streamed: dict[int, dict] = {}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", headers=AUTH, timeout=60,
+                      json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            (choice,) = json.loads(line[6:])["choices"]
+            into = streamed.setdefault(choice["index"], {"text": "", "tokens": [],
+                                                         "text_offset": []})
+            into["text"] += choice["text"]
+            into["tokens"] += choice["logprobs"]["tokens"]
+            into["text_offset"] += choice["logprobs"]["text_offset"]
+    assert len(whole) == 2 and sorted(streamed) == [0, 1]
+    for choice in whole:
+        logprobs = choice["logprobs"]
+        assert logprobs["token_logprobs"][0] is None and choice["text"].startswith(body["prompt"])
+        assert streamed[choice["index"]] == {"text": choice["text"], "tokens": logprobs["tokens"],
+                                             "text_offset": logprobs["text_offset"]}
+
+
 def test_a_full_queue_answers_429_with_retry_after(server):
     # 256 long completions fill the running batch (--max-running-requests); then 5 requests
     # of 1024 one-token completions meet a queue of 4096 sequences: one of them must wait
@@ -223,3 +252,33 @@ def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch)
     assert api_key(args(api_key="from-flag")) == "from-flag"
     with pytest.raises(UserError, match="not both"):
         api_key(args(api_key="a", api_key_file=str(key_file)))
+
+
+def test_a_completion_whose_text_fails_fails_alone():
+    # An exception while detokenizing one completion used to end the whole request's
+    # generator (a broken stream, or a 500 for all n); now that completion ends with an error
+    # and is aborted in the engine, and its siblings go on.
+    class Tokenizer:
+        def decode(self, ids, **_) -> str:
+            if 666 in ids:
+                raise ValueError("undecodable")
+            return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    aborted = []
+    engine = SimpleNamespace(abort=lambda request_id, index=None: aborted.append(index),
+                             release=lambda request_id: None)
+    (run,) = make_runs("cmpl-x", [[5, 6]], SamplingParams(max_new_tokens=2, n=2), Tokenizer())
+    deltas: asyncio.Queue = asyncio.Queue()
+    for delta in (SequenceDelta(run.request_id, 0, [1]), SequenceDelta(run.request_id, 1, [666]),
+                  SequenceDelta(run.request_id, 0, [2], finish_reason="length")):
+        deltas.put_nowait(delta)
+
+    async def events() -> list:
+        return [e async for e in generate(engine, [run], deltas, Metrics())]
+
+    asyncio.run(events())
+    good, bad = run.states
+    assert bad.finish_reason == "error" and "detokenizing failed" in bad.error
+    assert good.finish_reason == "length" and good.text == "bc"
+    assert aborted == [1]
+

@@ -99,6 +99,7 @@ class CompletionResponder(_Responder):
         super().__init__(tokenizer, model_name, body, runs, report_cached)
         self.prompt_texts = [t if t is not None else tokenizer.decode(run.prompt_ids)
                              for t, run in zip(texts, runs)]
+        self._echo_cache: dict[str, dict] = {}
 
     def choice_index(self, prompt_index: int, state) -> int:
         return prompt_index * self.request.n + state.index
@@ -106,17 +107,11 @@ class CompletionResponder(_Responder):
     def response(self) -> dict:
         choices = []
         for i, run in enumerate(self.runs):
-            echoed = None  # the prompt's logprobs: made once, shared by the run's n choices
-            if self.request.logprobs is not None:
-                echoed = self._logprobs(self._prompt_entries(run), 0)
             for state in run.states:
                 text = (self.prompt_texts[i] if self.request.echo else "") + state.text
                 logprobs = None
-                if echoed is not None:
-                    end = echoed["text_offset"][-1] + len(echoed["tokens"][-1]) if (
-                        echoed["tokens"]) else 0
-                    generated = self._logprobs(list(state.logprobs), end)
-                    logprobs = {key: echoed[key] + generated[key] for key in echoed}
+                if self.request.logprobs is not None:
+                    logprobs = self._with_echo(self._echoed(run), list(state.logprobs), 0)
                 choices.append({"index": self.choice_index(i, state), "text": text,
                                 "logprobs": logprobs, "finish_reason": state.finish_reason,
                                 "stop_reason": state.stop_reason})
@@ -125,6 +120,7 @@ class CompletionResponder(_Responder):
     async def chunks(self, events: AsyncIterator[TextEvent]) -> AsyncIterator[dict]:
         offsets: dict[int, int] = {}
         pending: dict[int, list] = {}  # logprobs of tokens whose text is held back
+        echo_due: set[int] = set()  # choices whose next chunk carries the prompt's logprobs
         async for event in events:
             if (error := self.error_chunk(event)) is not None:
                 yield error
@@ -136,15 +132,17 @@ class CompletionResponder(_Responder):
                 offsets[index] = 0
                 if self.request.echo:
                     text = self.prompt_texts[event.prompt_index] + text
-                    entries += self._prompt_entries(event.run)
+                    echo_due.add(index)
             entries += event.logprobs
             finish = event.state.finish_reason
             if not text and finish is None:
                 continue
             logprobs = None
             if self.request.logprobs is not None:
-                logprobs = self._logprobs(entries, offsets[index])
+                echoed = self._echoed(event.run) if index in echo_due else None
+                logprobs = self._with_echo(echoed, entries, offsets[index])
                 offsets[index] += sum(len(t) for t in logprobs["tokens"])
+            echo_due.discard(index)
             pending[index] = []
             yield self.envelope([{"index": index, "text": text, "logprobs": logprobs,
                                   "finish_reason": finish,
@@ -152,10 +150,25 @@ class CompletionResponder(_Responder):
         if self.include_usage():
             yield self.envelope([], usage=self.usage())
 
+    def _echoed(self, run: PromptRun) -> dict | None:
+        """The prompt's logprobs object for echo (None without echo), made once per prompt
+        and shared by its n choices."""
+        if not self.request.echo:
+            return None
+        if run.request_id not in self._echo_cache:
+            self._echo_cache[run.request_id] = self._logprobs(self._prompt_entries(run), 0)
+        return self._echo_cache[run.request_id]
+
+    def _with_echo(self, echoed: dict | None, entries: list, offset: int) -> dict:
+        """The logprobs object of generated `entries` from text offset `offset`, after the
+        prompt's (`echoed`, which starts at `offset`) where there is one."""
+        if echoed is None:
+            return self._logprobs(entries, offset)
+        generated = self._logprobs(entries, offset + sum(len(t) for t in echoed["tokens"]))
+        return {key: echoed[key] + generated[key] for key in echoed}
+
     def _prompt_entries(self, run: PromptRun) -> list:
         """Echo: (token id, entry) of every prompt token; the first has no logprob."""
-        if not self.request.echo:
-            return []
         entries = run.prompt_logprobs or [None] * len(run.prompt_ids)
         return list(zip(run.prompt_ids, entries))
 
