@@ -81,6 +81,7 @@ def test_prompt_longer_than_the_context():
     assert rank_processes() <= before
 
 
+@pytest.mark.slow  # a message; tp 3 launches run in the default suite elsewhere
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="the message names 2 cores")
 def test_more_ranks_than_cores_warns():
     result = braid("generate", "--tp", "3", "--temperature", "0", "--max-new-tokens", "2", "Hi")
@@ -163,6 +164,7 @@ def test_torchrun_launch_matches_spawned_ranks():
     assert "Paris" in json.loads(launched.stdout)["text"]
 
 
+@pytest.mark.slow  # bench-one-batch's lines and rows are checked in the default suite
 def test_bench_overlap_modes_report_exposed_comm_and_crossover(tmp_path: Path):
     result_file = tmp_path / "overlap.jsonl"
     common = ["bench-one-batch", "--tp", "2", "--input-len", "16", "--output-len", "3",

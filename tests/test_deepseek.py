@@ -217,6 +217,7 @@ def test_cli_on_a_deepseek_folder(deepseek_folders, tmp_path):
                       "exists and is not empty")
 
 
+@pytest.mark.slow  # benchmark tables; DP linear's numerics are checked in the default suite
 def test_dp_linear_benchmarks_print_their_tables(deepseek_folders, tmp_path):
     from test_cli import braid
 
