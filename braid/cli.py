@@ -51,7 +51,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-skip-age", dest="max_skip_age_s", type=float,
                         default=EngineConfig.max_skip_age_s, metavar="S",
                         help="a waiting prompt too big for the free KV cache is overtaken by "
-                             "smaller ones for at most S seconds, then admission waits for it")
+                             "others that fit for at most S seconds, then admission waits for it")
     parser.add_argument("--no-prefix-cache", dest="prefix_caching", action="store_false",
                         help="do not share the KV blocks of prompts that start alike")
     parser.add_argument("--overlap", choices=SWITCH_CHOICES, default="auto",
@@ -140,9 +140,10 @@ def api_key(args: argparse.Namespace) -> str | None:
     key = args.api_key
     if args.api_key_file is not None:
         try:
-            key = Path(args.api_key_file).read_text().strip()
+            lines = Path(args.api_key_file).read_text().splitlines()
         except OSError as e:
             raise UserError(f"--api-key-file: {e}") from None
+        key = lines[0].strip() if lines else ""
     if key is None:
         key = os.environ.get("BRAID_API_KEY") or None
     if key is not None and (not key or any(c.isspace() for c in key)):
@@ -170,8 +171,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits = RequestLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS})
     except ValueError as e:
         raise UserError(str(e)) from None
+    key = api_key(args)
+    if args.api_key_all_routes and key is None:
+        raise UserError("--api-key-all-routes needs a key (--api-key, --api-key-file or "
+                        "$BRAID_API_KEY)")
     settings = ServeSettings(host=args.host, port=args.port,
-                             served_model_name=args.served_model_name, api_key=api_key(args),
+                             served_model_name=args.served_model_name, api_key=key,
                              api_key_all_routes=args.api_key_all_routes,
                              log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
                              limits=limits, report_cached_tokens=args.report_cached_tokens)
@@ -314,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require the key on /health and /metrics too")
     serve.add_argument("--no-cached-tokens", dest="report_cached_tokens", action="store_false",
                        help="leave usage.prompt_tokens_details.cached_tokens out of responses "
-                            "(it tells a client which of its prompt blocks others sent)")
+                            "(it tells a client which of its prompt blocks others sent; so do "
+                            "the prefix-cache counters of /metrics: see --api-key-all-routes)")
     from braid.server.protocol import RequestLimits
 
     limits = RequestLimits()

@@ -245,7 +245,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_batched_tokens: int | None = None  # None: the device's default
     max_running_requests: int = 256
-    # A waiting sequence that does not fit is overtaken by smaller ones for at most this long
+    # A waiting sequence that does not fit is overtaken by others for at most this long
     max_skip_age_s: float = 10.0
     prefix_caching: bool = True
     seed: int = 0

@@ -139,6 +139,9 @@ def test_fields_braid_does_not_implement_are_refused_by_name(server):
         "type": "function", "function": {"name": "f"}}]}), 400, "tools")
     assert_error(post(server, "/v1/completions", {"prompt": "hi", "guided_regex": "a+"}),
                  400, "guided_regex")
+    for part in ({"type": "text", "text": 5}, {"type": "image_url", "image_url": {"url": "x"}}):
+        assert_error(post(server, "/v1/chat/completions", {**chat, "messages": [
+            {"role": "user", "content": [part]}]}), 400, "messages")  # was a 500, and ignored
     # The values that ask for nothing are fine, and unknown fields are still ignored.
     ok = post(server, "/v1/chat/completions", {**chat, "response_format": {"type": "text"},
                                                "tool_choice": "none", "user": "u1"})
@@ -247,7 +250,7 @@ def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch)
     monkeypatch.setenv("BRAID_API_KEY", "from-env")
     assert api_key(args()) == "from-env"
     key_file = tmp_path / "key"
-    key_file.write_text("from-file\n")
+    key_file.write_text("from-file\n# a comment\n")
     assert api_key(args(api_key_file=str(key_file))) == "from-file"
     assert api_key(args(api_key="from-flag")) == "from-flag"
     with pytest.raises(UserError, match="not both"):

@@ -25,7 +25,13 @@ from braid.engine.batch import StepPlan, StepResult
 from braid.engine.compiled_step import CompileStatus, auto_compile_pays
 from braid.engine.kv_cache import BlockManager
 from braid.engine.plan import build_plan
-from braid.engine.request import Request, SamplingParams, Sequence, SequenceDelta
+from braid.engine.request import (
+    Request,
+    SamplingParams,
+    Sequence,
+    SequenceDelta,
+    request_failure,
+)
 from braid.engine.scheduler import Scheduler
 from braid.engine.worker import worker_main
 from braid.loader.weight_cache import prepare_gguf_weights
@@ -286,7 +292,7 @@ class EngineCore:
                 build_plan([seq], self.config.block_size, 0)
                 kept.append(seq)
             except Exception as e:  # noqa: BLE001
-                failed.append(self.scheduler.fail(seq, f"planning its step failed: {e!r}"))
+                failed.append(self.scheduler.fail(seq, request_failure("planning its step", e)))
         return kept, failed
 
     def _run(self, plan: StepPlan) -> StepResult:

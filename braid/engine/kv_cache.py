@@ -148,12 +148,21 @@ class BlockManager:
         blocks, leaving at least one token to compute (its logits are needed); each gets a
         reference."""
         keys = self.shareable_keys(seq)
-        matched = [self._block_of[key] for key in keys[:self.cached_prefix(keys)]]
-        for block in matched:
+        return self.share(keys[:self.cached_prefix(keys)])
+
+    def share(self, keys: list[BlockKey]) -> list[int]:
+        """The cached blocks of `keys` (all cached), each with one more reference."""
+        blocks = [self._block_of[key] for key in keys]
+        for block in blocks:
             if self._refs[block] == 0:
                 del self._evictable[block]
             self._refs[block] += 1
-        return matched
+        return blocks
+
+    def num_unreferenced(self, keys: list[BlockKey]) -> int:
+        """How many of the cached blocks of `keys` nobody references: sharing them takes them
+        from the blocks an allocation could use."""
+        return sum(self._refs[self._block_of[key]] == 0 for key in keys)
 
     def register(self, seq: Sequence) -> None:
         """Publish the sequence's newly filled blocks of computed tokens in the prefix cache.

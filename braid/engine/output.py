@@ -36,7 +36,7 @@ class _Automaton:
     match: tuple[str | None, ...]
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=32)  # up to 16 x 256 characters each: a few MB at most
 def _automaton(stops: tuple[str, ...]) -> _Automaton:
     goto: list[dict[str, int]] = [{}]
     depth, match = [0], [None]

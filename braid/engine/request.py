@@ -4,7 +4,9 @@ tracks (`Sequence`), and what the engine reports back (`SequenceDelta`, `Request
 from __future__ import annotations
 
 import math
+import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from braid.config import UserError
@@ -19,6 +21,14 @@ _TOP_K_NO_LIMIT = 1 << 31  # top_k beyond any vocabulary: no limit (kept in an i
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 1e4
 REPETITION_PENALTY_RANGE = (1e-4, 1e4)
+
+
+def request_failure(what: str, error: BaseException) -> str:
+    """For a failure one request explains (it fails alone): the traceback goes to this
+    process's stderr, which is the server's log; the client's message says what failed and
+    the exception's type only."""
+    traceback.print_exception(error, file=sys.stderr)
+    return f"{what} failed ({type(error).__name__}; see the server's log)"
 
 
 @dataclass(frozen=True)
@@ -145,7 +155,7 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     group: str = ""  # whose turn admission takes (`Request.group`)
-    waiting_since: float = 0.0  # when it last joined the waiting queue (time.monotonic)
+    skipped_since: float | None = None  # when admission first passed it over (time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     block_keys: list[tuple[bytes, bytes]] = field(default_factory=list)  # kv_cache.BlockKey

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from braid.engine.batch import Penalty, SamplingBatch, StepPlan, StepResult
-from braid.engine.request import TokenLogprob
+from braid.engine.request import TokenLogprob, request_failure
 
 _SEED_STRIDE = 1_000_003  # distinct generator seed per (request seed, output position)
 
@@ -69,7 +69,7 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int], num_logprobs,
         except (IndexError, RuntimeError) as e:
             if errors is None:
                 raise
-            errors[row] = f"scoring the requested token ids failed: {e}"
+            errors[row] = request_failure("scoring the requested token ids", e)
             entries.append(None)
             continue
         entries.append(TokenLogprob(chosen[row], picked[row], top, scored))
@@ -153,7 +153,7 @@ def _constrained(logits: torch.Tensor,
             if params.banned[row]:
                 logits[row, list(params.banned[row])] = float("-inf")
         except (IndexError, RuntimeError, ValueError) as e:
-            errors[row] = f"applying its sampling parameters failed: {e}"
+            errors[row] = request_failure("applying its sampling parameters", e)
             logits[row] = float("nan")
     return logits, errors
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from braid.engine.batch import StepResult
 from braid.engine.kv_cache import BlockManager
 from braid.engine.plan import SequenceRows
-from braid.engine.request import Sequence, SequenceDelta
+from braid.engine.request import Sequence, SequenceDelta, request_failure
 
 
 class WaitingQueue:
@@ -47,8 +47,7 @@ class WaitingQueue:
     def __contains__(self, seq: Sequence) -> bool:
         return seq in self._preempted or seq in self._groups.get(seq.group, ())
 
-    def add(self, seq: Sequence, now: float, preempted: bool = False) -> None:
-        seq.waiting_since = now
+    def add(self, seq: Sequence, preempted: bool = False) -> None:
         (self._preempted if preempted else self._groups.setdefault(seq.group, {}))[seq] = None
         self._count += 1
 
@@ -104,7 +103,7 @@ class Scheduler:
         self.max_running = max_running
         self.max_context = max_context
         self.max_skip_age_s = max_skip_age_s
-        self.clock = clock
+        self.clock = clock  # for the skip age
         self.waiting = WaitingQueue()
         self.running: dict[Sequence, None] = {}  # an insertion-ordered set: oldest first
         self.num_preemptions = 0
@@ -112,7 +111,7 @@ class Scheduler:
         self.prefix_hits = 0  # ... and found there
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.add(seq, self.clock())
+        self.waiting.add(seq)
 
     @property
     def has_work(self) -> bool:
@@ -194,23 +193,25 @@ class Scheduler:
             cached = 0 if scoring else self.blocks.cached_prefix(keys)
             if not scoring and cached < len(keys) and keys[cached] in computing:
                 continue  # its next block is being computed: share it from a later step
-            matched = self.blocks.match_prefix(seq) if keys and not scoring else []
-            computed = len(matched) * bs
+            computed = cached * bs
             chunk = min(seq.num_tokens - computed, budget)
-            need = self.blocks.blocks_needed(computed + chunk, len(matched))
-            if need + reserve + ((computed + chunk) % bs == 0) > self.blocks.num_free:
-                self.blocks.free(matched)
-                if self.waiting.was_preempted(seq) or now - seq.waiting_since > self.max_skip_age_s:
-                    return  # preempted, or waited long enough: nothing overtakes it
+            need = self.blocks.blocks_needed(computed + chunk, cached)
+            free = self.blocks.num_free - self.blocks.num_unreferenced(keys[:cached])
+            if need + reserve + ((computed + chunk) % bs == 0) > free:
+                if seq.skipped_since is None:
+                    seq.skipped_since = now
+                if self.waiting.was_preempted(seq) or now - seq.skipped_since > self.max_skip_age_s:
+                    return  # preempted, or overtaken long enough: nothing overtakes it now
                 continue
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += computed
             if not seq.output_ids:
                 seq.num_cached_prompt = computed
-            seq.blocks = matched + self.blocks.allocate(need)
+            seq.blocks = self.blocks.share(keys[:cached]) + self.blocks.allocate(need)
             seq.num_computed = computed
-            seq.num_registered_blocks = len(matched)
+            seq.num_registered_blocks = cached
             seq.scheduled_tokens = chunk
+            seq.skipped_since = None
             self.waiting.remove(seq)
             self.waiting.served(seq)
             self.running[seq] = None
@@ -223,7 +224,7 @@ class Scheduler:
         self.num_preemptions += 1
         del self.running[seq]
         self._release(seq)
-        self.waiting.add(seq, self.clock(), preempted=True)
+        self.waiting.add(seq, preempted=True)
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.blocks)
@@ -248,8 +249,10 @@ class Scheduler:
                         rows.prompt_start:rows.prompt_start + rows.prompt_count]
                 if rows.sample_row is not None:
                     deltas.append(self._record_token(seq, result, rows.sample_row))
+            except AssertionError:
+                raise  # the block manager's own invariants: the engine is broken, not a request
             except Exception as e:  # noqa: BLE001 - one sequence's failure is its own
-                deltas.append(self.fail(seq, f"recording its token failed: {e!r}"))
+                deltas.append(self.fail(seq, request_failure("recording its token", e)))
         return deltas
 
     def fail(self, seq: Sequence, error: str) -> SequenceDelta:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -95,7 +96,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
                            open_paths=frozenset() if ctx.api_key_all_routes else OPEN_PATHS)
     models = bounded_models(ctx.limits, ctx.model_config.vocab_size, ctx.max_model_len)
 
-    def post(path: str, body_model: type) -> callable:
+    def post(path: str, body_model: type) -> Callable:
         """`app.post`, with the handler's `body` typed by this server's bounded model (a
         class made at run time, which a string annotation cannot name)."""
         def register(handler):
@@ -120,6 +121,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
         """Before any work on a request of `count` completions: 400 beyond what one request
         may ask for, 429 if the queue has no room for them. Nothing awaits between this and
         the request's `submit`, so no other request can take the room meanwhile."""
+        if ctx.engine.dead is not None:
+            raise EngineDead(ctx.engine.dead)
         limit = ctx.limits.max_sequences_per_request
         if count > limit:
             raise APIError(400, f"the request asks for {count} completions (prompts x n); "
@@ -299,6 +302,17 @@ def _tokenize(tokenizer, text: str, field: str, add_special_tokens: bool = True)
         raise APIError(400, f"{field} cannot be tokenized: {e}", field) from None
 
 
+def _text_part(part: dict) -> str:
+    """The text of a message's content part; 400 for any other kind (an image would change
+    the answer, and braid serves text models)."""
+    if part.get("type") != "text":
+        raise APIError(400, f"content parts of type {part.get('type')!r} are not supported: "
+                            "send text parts", "messages")
+    if not isinstance(part.get("text"), str):
+        raise APIError(400, "a text content part needs a string `text`", "messages")
+    return part["text"]
+
+
 def _chat_prompt(tokenizer, messages: list[ChatMessage]) -> list[int]:
     """Token ids of a conversation through the model's chat template."""
     if not getattr(tokenizer, "chat_template", None):
@@ -306,9 +320,8 @@ def _chat_prompt(tokenizer, messages: list[ChatMessage]) -> list[int]:
     conversation = []
     for message in messages:
         entry = message.model_dump(exclude_none=True)
-        if isinstance(message.content, list):  # content parts: the text ones, joined
-            entry["content"] = "".join(part.get("text", "") for part in message.content
-                                       if part.get("type") == "text")
+        if isinstance(message.content, list):  # content parts: text only, joined
+            entry["content"] = "".join(_text_part(part) for part in message.content)
         conversation.append(entry)
     try:
         ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
@@ -324,8 +337,9 @@ async def _complete(raw: Request, runs: list[PromptRun], events, respond) -> Res
     """Run a non-streamed request to the end, aborting it if the client goes away."""
 
     async def drain() -> None:
-        async for _ in events:
-            pass
+        async for event in events:
+            if event.state.finish_reason == "error":
+                return  # the answer is an error: the caller aborts the other completions
 
     task = asyncio.ensure_future(drain())
     while True:

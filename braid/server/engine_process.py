@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection
 from braid.config import EngineConfig, UserError, load_model_config
 from braid.distributed.launch import RankFailure, exit_with_parent
 from braid.engine.core import EngineCore, EngineError, RankExecutor
-from braid.engine.request import SequenceDelta
+from braid.engine.request import SequenceDelta, request_failure
 
 IDLE_POLL_S = 0.05  # how often an idle engine checks its ranks
 
@@ -82,15 +82,17 @@ def serve(core: EngineCore, conn: Connection) -> None:
                 try:
                     core.add(request)
                 except Exception as e:  # noqa: BLE001 - a request's own fault fails it alone
-                    error = str(e) if isinstance(e, UserError) else f"refused: {e!r}"
+                    error = (str(e) if isinstance(e, UserError)
+                             else request_failure("adding the request", e))
                     refused += [SequenceDelta(request.request_id, i, finish_reason="error",
                                               error=error) for i in range(request.params.n)]
             elif command[0] == "abort":
                 core.abort(*command[1:])
-        if core.has_work:
+        stepped = core.has_work
+        if stepped:
             deltas = core.step()
         else:
             core.executor.check_alive()
             deltas = []
-        if commands or deltas:
+        if commands or stepped:  # every step: its admissions change what the API counts
             conn.send(("outputs", refused + deltas, core.stats()))

@@ -14,7 +14,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from braid.engine.output import CompletionState
-from braid.engine.request import Request, SamplingParams, SequenceDelta, TokenLogprob
+from braid.engine.request import (
+    Request,
+    SamplingParams,
+    SequenceDelta,
+    TokenLogprob,
+    request_failure,
+)
 from braid.server.async_engine import Aborted, AsyncEngine, EngineDead
 from braid.server.metrics import Metrics
 
@@ -118,7 +124,7 @@ async def generate(engine: AsyncEngine, runs: list[PromptRun], deltas: asyncio.Q
             try:
                 text, logprobs = state.update(item)
             except Exception as e:  # noqa: BLE001 - this completion's text failed, not others
-                state.fail(f"detokenizing failed: {e!r}")
+                state.fail(request_failure("detokenizing", e))
                 text, logprobs = "", []
             if state.finished:
                 unfinished -= 1

@@ -202,7 +202,12 @@ _NOT_IMPLEMENTED: dict[str, tuple] = {
     "guided_grammar": (None,), "structured_outputs": (None,), "regex": (None,), "ebnf": (None,),
     "json_schema": (None,), "audio": (None,), "prediction": (None,),
     "web_search_options": (None,), "modalities": (None, ["text"]),
-    "truncate_prompt_tokens": (None,), "lora_path": (None,),
+    "truncate_prompt_tokens": (None,), "lora_path": (None,), "reasoning_effort": (None,),
+    "include_stop_str_in_output": (None, False), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "prompt_logprobs": (None,), "logits_processors": (None,),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}), "no_stop_trim": (None, False),
+    "stop_regex": (None,), "echo": (None, False),  # echo: chat's (completions implement it)
 }
 
 
