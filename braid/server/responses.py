@@ -97,8 +97,9 @@ class CompletionResponder(_Responder):
                  runs: list[PromptRun], texts: list[str | None],
                  report_cached: bool = True) -> None:
         super().__init__(tokenizer, model_name, body, runs, report_cached)
-        self.prompt_texts = [t if t is not None else tokenizer.decode(run.prompt_ids)
-                             for t, run in zip(texts, runs)]
+        # Echo's text of each prompt (token-id prompts decoded only when echoed)
+        self.prompt_texts = [t if t is not None or not body.echo
+                             else tokenizer.decode(run.prompt_ids) for t, run in zip(texts, runs)]
         self._echo_cache: dict[str, dict] = {}
 
     def choice_index(self, prompt_index: int, state) -> int:
