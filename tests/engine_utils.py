@@ -23,8 +23,8 @@ class RunnerExecutor:
     def __init__(self, runner) -> None:
         self.runner = runner
 
-    def step(self, plan: StepPlan) -> StepResult:
-        return self.runner.step(plan)
+    def step(self, plan: StepPlan, fill_masks=None) -> StepResult:
+        return self.runner.step(plan, fill_masks)
 
     def check_alive(self) -> None:
         pass
@@ -49,7 +49,7 @@ class FakeRunner:
         self.plans: list[StepPlan] = []
         self.generator = torch.Generator().manual_seed(0)
 
-    def step(self, plan: StepPlan) -> StepResult:
+    def step(self, plan: StepPlan, fill_masks=None) -> StepResult:
         self.plans.append(plan)
         self.cache[plan.slot_mapping] = plan.input_ids
         rows = np.arange(plan.num_tokens) if plan.logit_rows is None else plan.logit_rows
@@ -66,7 +66,7 @@ class FakeRunner:
             logits[r, fake_next_token(context)] = 8.0
             if context[-1] in self.nan_tokens:
                 logits[r] = float("nan")
-        return postprocess(logits, plan, self.generator)
+        return postprocess(logits, plan, self.generator, fill_masks and fill_masks())
 
     def check_alive(self) -> None:
         pass

@@ -115,13 +115,13 @@ class BothAttentionModes(RunnerExecutor):
 
     kinds: set[str] = set()
 
-    def step(self, plan):
+    def step(self, plan, fill_masks=None):
         expanded = logits_in_mode(self.runner, plan, "expanded")
         absorbed = logits_in_mode(self.runner, plan, "absorbed")
         assert torch.equal(expanded.argmax(-1), absorbed.argmax(-1))
         assert (expanded - absorbed).abs().max().item() <= 1e-4
         self.kinds.add("decode" if (plan.q_lens == 1).all() else "prefill")
-        return self.runner.step(plan)
+        return self.runner.step(plan, fill_masks)
 
 
 def test_absorbed_attention_equals_expanded(v3_runner, deepseek_prompts):

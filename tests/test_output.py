@@ -56,8 +56,12 @@ def test_completion_state_drops_the_stop_tokens_text_and_reports_stop_strings(to
     assert state.finished and (state.finish_reason, state.stop_reason) == ("stop", "three")
     assert text == state.text == " one two "
     plain = CompletionState(tokenizer, [1], SamplingParams(skip_special_tokens=False))
-    plain.update(SequenceDelta("r", 0, [*ids, eos], finish_reason="stop"))
+    plain.update(SequenceDelta("r", 0, [*ids, eos], finish_reason="stop", by_stop_token=True))
     assert plain.text == " one two three" and plain.token_ids == [*ids, eos]
+    # A grammar that completes ends the sequence on a token of its text
+    grammar = CompletionState(tokenizer, [1], SamplingParams())
+    grammar.update(SequenceDelta("r", 0, ids, finish_reason="stop"))
+    assert grammar.text == " one two three"
 
 
 @pytest.mark.parametrize("min_tokens,finished", [(0, True), (5, False)])

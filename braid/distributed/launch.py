@@ -207,6 +207,13 @@ class RankGroup:
             except (BrokenPipeError, ConnectionResetError, OSError):
                 self._fail()
 
+    def send(self, rank: int, message: object) -> None:
+        """Send a message to one rank (rank 0's grammar masks: only it samples)."""
+        try:
+            self.conns[rank].send(message)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self._fail()
+
     def recv(self, rank: int = 0, timeout: float | None = None) -> object:
         """Wait for `rank`'s answer while watching every rank; raise `RankFailure` on a death."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -408,6 +415,10 @@ class TorchrunGroup:
 
     def send_all(self, message: object) -> None:
         self._broadcast(message)
+        self._conn.send(message)
+
+    def send(self, rank: int, message: object) -> None:
+        assert rank == 0, "only rank 0 is driven in this process"
         self._conn.send(message)
 
     def recv(self, rank: int = 0, timeout: float | None = None) -> object:

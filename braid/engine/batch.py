@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,6 +39,9 @@ class SamplingBatch:
     penalties: list[Penalty | None]
     banned: list[tuple[int, ...]]  # tokens that may not be sampled (EOS before min_tokens)
     biases: list[tuple[tuple[int, float], ...]]  # (token id, added to its logit) per row
+    # Rows constrained by a grammar, ascending: their token bitmask ([G, ceil(vocab / 32)]
+    # int32) reaches rank 0 after the plan, filled by the driver while the step runs.
+    grammar_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 @dataclass
@@ -94,6 +97,7 @@ class StepResult:
     prompt_logprobs: list[TokenLogprob] | None = None
     logits: torch.Tensor | None = None
     path: str = "eager"
+    grammar_wait_s: float = 0.0  # how long rank 0 waited for the grammar mask
 
 
 # How a step ran (`StepResult.path`, reported by benchmarks and `/metrics`): the decode graph,

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import count
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from braid import native
@@ -23,8 +25,9 @@ from braid.distributed.launch import check_not_bootstrapping, launch_ranks
 from braid.distributed.shm import ShmSegment, activation_slot_bytes
 from braid.engine.batch import StepPlan, StepResult
 from braid.engine.compiled_step import CompileStatus, auto_compile_pays
+from braid.engine.grammar import Grammars, GrammarTimes
 from braid.engine.kv_cache import BlockManager
-from braid.engine.plan import build_plan
+from braid.engine.plan import SequenceRows, build_plan
 from braid.engine.request import (
     Request,
     SamplingParams,
@@ -33,6 +36,7 @@ from braid.engine.request import (
     request_failure,
 )
 from braid.engine.scheduler import Scheduler
+from braid.engine.tokenizer import eos_token_ids, load_tokenizer
 from braid.engine.worker import worker_main
 from braid.loader.weight_cache import prepare_gguf_weights
 from braid.models.registry import model_class
@@ -47,7 +51,10 @@ class Executor(Protocol):
 
     compile_status: CompileStatus
 
-    def step(self, plan: StepPlan) -> StepResult: ...
+    def step(self, plan: StepPlan,
+             fill_masks: Callable[[], np.ndarray] | None = None) -> StepResult:
+        """Run `plan`; where it has grammar rows, `fill_masks()` gives their bitmask, called
+        while the forward step runs where the executor can (`RankExecutor`)."""
 
     def prepare_compiled(self) -> str:
         """Compile or load the compiled steps on every rank (`ModelRunner.prepare_compiled`);
@@ -99,8 +106,12 @@ class RankExecutor:
             self.ranks.close()
             raise
 
-    def step(self, plan: StepPlan) -> StepResult:
-        return self.ranks.request(("step", plan))
+    def step(self, plan: StepPlan,
+             fill_masks: Callable[[], np.ndarray] | None = None) -> StepResult:
+        self.ranks.send_all(("step", plan))
+        if fill_masks is not None:  # while the ranks compute the logits
+            self.ranks.send(0, ("mask", fill_masks()))
+        return self.ranks.recv(0)
 
     def prepare_compiled(self) -> str:
         return self.ranks.request(("compile", None))
@@ -138,6 +149,7 @@ class EngineStats:
     num_steps_dp_linear: int
     steps_by_path: dict[str, int]  # `StepResult.path` -> steps that took it
     num_sequences_received: int = 0  # every sequence of every request `add` was given
+    grammar: GrammarTimes | None = None
 
 
 def check_request(prompt_ids: list[int], params: SamplingParams, model_config: ModelConfig,
@@ -189,6 +201,9 @@ class EngineCore:
         self.policy = StepPolicy(config.overlap, config.overlap_min_tokens, config.dp_linear,
                                  config.dp_linear_min_tokens, config.skip_comm)
         self._has_dp_linear = model_class(model_config).has_dp_linear
+        self.grammars = Grammars(lambda: load_tokenizer(config.model, config.cache),
+                                 model_config.vocab_size,
+                                 lambda tokenizer: eos_token_ids(model_config, tokenizer))
         self._sequences: dict[str, list[Sequence]] = {}
         self._seq_ids = count()
         self._step_ids = count(1)
@@ -240,9 +255,11 @@ class EngineCore:
         if request.request_id in self._sequences:
             raise UserError(f"request id {request.request_id!r} is already in use")
         self.check_request(request.prompt_ids, request.params)
+        structured = request.params.structured
         seqs = [Sequence(next(self._seq_ids), request.request_id, i, list(request.prompt_ids),
                          request.params, request.eos_token_ids,
-                         group=request.group or request.request_id)
+                         group=request.group or request.request_id,
+                         grammar=structured and self.grammars.matcher(structured))
                 for i in range(request.params.n)]
         self._sequences[request.request_id] = seqs
         for seq in seqs:
@@ -276,7 +293,7 @@ class EngineCore:
                 plan, layout = build_plan(batch, self.config.block_size, next(self._step_ids))
         deltas = failed
         if batch:
-            deltas += self.scheduler.commit(batch, layout, self._run(plan))
+            deltas += self.scheduler.commit(batch, layout, self._run(plan, batch, layout))
         for delta in deltas:
             if delta.finish_reason is not None:
                 self._forget_if_done(delta.request_id)
@@ -295,16 +312,33 @@ class EngineCore:
                 failed.append(self.scheduler.fail(seq, request_failure("planning its step", e)))
         return kept, failed
 
-    def _run(self, plan: StepPlan) -> StepResult:
+    def _run(self, plan: StepPlan, batch: list[Sequence] = (),
+             layout: list[SequenceRows] = ()) -> StepResult:
         policy, tp = self.policy, self.config.tp
         plan.overlap = auto_switch(policy.overlap, plan.num_tokens, policy.overlap_min_tokens, tp)
         plan.dp_linear = self._has_dp_linear and auto_switch(
             policy.dp_linear, plan.num_tokens, policy.dp_linear_min_tokens, tp)
         plan.skip_comm = policy.skip_comm
-        result = self.executor.step(plan)
+        constrained = [(rows.sample_row, seq.grammar) for seq, rows in zip(batch, layout)
+                       if seq.grammar is not None and rows.sample_row is not None]
+        fill_masks, mask_errors = None, {}
+        if constrained:
+            plan.sampling.grammar_rows = np.array([row for row, _ in constrained],
+                                                  dtype=np.int64)
+
+            def fill_masks() -> np.ndarray:
+                mask, errors = self.grammars.fill([matcher for _, matcher in constrained])
+                mask_errors.update({constrained[i][0]: error for i, error in errors.items()})
+                return mask
+
+        result = self.executor.step(plan, fill_masks)
         if result.step_id != plan.step_id:
             raise EngineError(f"rank 0 answered step {result.step_id} when asked for step "
                               f"{plan.step_id}: a reply was left over from an interrupted step")
+        for row, error in mask_errors.items():  # sampled without its mask: not a valid token
+            result.tokens[row] = None
+            result.errors[row] = f"the grammar failed: {error}"
+        self.grammars.times.wait_s += result.grammar_wait_s
         self.num_steps += 1
         self.num_steps_overlap += plan.overlap
         self.num_steps_dp_linear += plan.dp_linear
@@ -317,7 +351,8 @@ class EngineCore:
         return EngineStats(len(s.running), len(s.waiting), self.blocks.usage, s.prefix_queries,
                            s.prefix_hits, s.num_preemptions, self.num_steps,
                            self.num_steps_overlap, self.num_steps_dp_linear,
-                           dict(self.steps_by_path), self.num_sequences_received)
+                           dict(self.steps_by_path), self.num_sequences_received,
+                           replace(self.grammars.times))
 
     def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """fp32 logits at every position of each prompt (one batched prefill, outside the

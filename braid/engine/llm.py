@@ -9,7 +9,6 @@ import torch
 
 from braid.config import (
     EngineConfig,
-    ModelConfig,
     UserError,
     default_model_path,
     load_model_config,
@@ -23,15 +22,7 @@ from braid.engine.request import (
     SamplingParams,
     SequenceDelta,
 )
-from braid.engine.tokenizer import apply_chat_template, load_tokenizer
-
-
-def eos_token_ids(model_config: ModelConfig, tokenizer) -> frozenset[int]:
-    """End-of-sequence ids: the checkpoint's and the tokenizer's."""
-    eos = set(model_config.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    return frozenset(eos)
+from braid.engine.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
 
 
 class LLM:

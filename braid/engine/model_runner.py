@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from braid.config import EngineConfig, ModelConfig
@@ -169,15 +171,23 @@ class ModelRunner:
                                 self.device, **layout)
 
     @torch.inference_mode()
-    def step(self, plan: StepPlan) -> StepResult | None:
+    def step(self, plan: StepPlan,
+             receive_mask: Callable[[], np.ndarray] | None = None) -> StepResult | None:
         """Run one forward step; rank 0 returns tokens (and logprobs, logits if asked),
-        the other ranks None."""
+        the other ranks None. A plan with grammar rows has its bitmask from `receive_mask`,
+        asked for once the logits are ready: the driver fills it while the forward runs."""
         self.comm.skip = plan.skip_comm
         logits, path = self._forward(plan)
         if self.comm.rank != 0:
             return None
-        result = postprocess(logits, plan, self.generator)
-        result.path = path
+        mask, waited = None, 0.0
+        if plan.sampling is not None and len(plan.sampling.grammar_rows):
+            start = time.perf_counter()
+            with tracer().span("wait grammar mask", "sampler"):
+                mask = receive_mask()
+            waited = time.perf_counter() - start
+        result = postprocess(logits, plan, self.generator, mask)
+        result.path, result.grammar_wait_s = path, waited
         return result
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, str]:

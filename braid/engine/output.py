@@ -194,9 +194,7 @@ class CompletionState:
             self.logprobs += new_logprobs
         ending = delta.finish_reason is not None
         # A stop token (EOS or one of stop_token_ids) ends the completion without its text.
-        text_ids = delta.new_token_ids
-        if delta.finish_reason == "stop" and text_ids:
-            text_ids = text_ids[:-1]
+        text_ids = delta.new_token_ids[:-1] if delta.by_stop_token else delta.new_token_ids
         piece = self.detokenizer.add(text_ids, final=ending,
                                      check_stop=len(self.token_ids) >= self.params.min_tokens)
         if self.detokenizer.stop_string is not None:

@@ -10,6 +10,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from braid.config import UserError
+from braid.engine.grammar import StructuredOutputs
 
 # Most alternatives per token that `logprobs` may ask for (OpenAI's limit for top_logprobs).
 MAX_LOGPROBS = 20
@@ -67,6 +68,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
+    structured: StructuredOutputs | None = None  # JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids", "logprob_token_ids"):  # lists welcome; tuples kept
@@ -165,6 +167,7 @@ class Sequence:
     scheduled_tokens: int = 0  # tokens the current step computes
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for tokens 1, 2, ...
     finish_reason: str | None = None
+    grammar: object | None = None  # the llguidance matcher of `params.structured`
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without copying the whole sequence (the
@@ -198,8 +201,10 @@ class Sequence:
 class SequenceDelta:
     """What one step did for one sequence: new tokens (with logprobs if asked), or the end.
 
-    `finish_reason` is "stop" (EOS, a stop token or stop string), "length", "abort" or
-    "error" (then `error` says why); `stop_reason` is the stop token id or string.
+    `finish_reason` is "stop" (EOS, a stop token, a stop string or a complete grammar),
+    "length", "abort" or "error" (then `error` says why); `stop_reason` is the stop token id or
+    string; `by_stop_token`: the last new token is the EOS or stop token that ended the
+    sequence (not part of the text).
     `prompt_logprobs` arrive once, with the first generated token.
     """
 
@@ -210,6 +215,7 @@ class SequenceDelta:
     prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    by_stop_token: bool = False
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

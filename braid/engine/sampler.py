@@ -1,7 +1,7 @@
 """What rank 0 does with a step's logits: sampling (greedy, temperature, top-k, top-p, min-p,
-penalties, logit biases, per-request seeds) and logprobs. A row that cannot be sampled (NaN
-logits, a failed draw, anything its own parameters make fail) fails alone: its token is None
-and the error names the cause; the other rows, and the rank, go on."""
+penalties, logit biases, grammar masks, per-request seeds) and logprobs. A row that cannot be
+sampled (NaN logits, a failed draw, anything its own parameters make fail) fails alone: its
+token is None and the error names the cause; the other rows, and the rank, go on."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ from braid.engine.request import TokenLogprob, request_failure
 _SEED_STRIDE = 1_000_003  # distinct generator seed per (request seed, output position)
 
 
-def postprocess(logits: torch.Tensor, plan: StepPlan, generator: torch.Generator) -> StepResult:
-    """Rank 0's answer to `plan` from the logits of its logit rows ([R, vocab], fp32)."""
+def postprocess(logits: torch.Tensor, plan: StepPlan, generator: torch.Generator,
+                grammar_mask: np.ndarray | None = None) -> StepResult:
+    """Rank 0's answer to `plan` from the logits of its logit rows ([R, vocab], fp32), with
+    the bitmask of its grammar rows where it has any (`SamplingBatch.grammar_rows`)."""
     result = StepResult(plan.step_id, logits=logits.cpu() if plan.return_logits else None)
     if plan.sampling is not None:
         rows = _select_rows(logits, plan.sample_rows)
-        result.tokens, result.errors = sample(rows, plan.sampling, generator)
+        result.tokens, result.errors = sample(rows, plan.sampling, generator, grammar_mask)
         sampling = plan.sampling
         if (sampling.num_logprobs >= 0).any() or any(sampling.scored_ids):
             chosen = [t if t is not None else 0 for t in result.tokens]
@@ -76,19 +78,24 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int], num_logprobs,
     return entries
 
 
-def sample(logits: torch.Tensor, params: SamplingBatch,
-           generator: torch.Generator) -> tuple[list[int | None], dict[int, str]]:
+def sample(logits: torch.Tensor, params: SamplingBatch, generator: torch.Generator,
+           grammar_mask: np.ndarray | None = None) -> tuple[list[int | None], dict[int, str]]:
     """Next token per row of `logits` ([S, vocab], fp32), and the rows that failed.
 
     Rows with temperature 0 take the argmax. A seeded row draws from a generator seeded by its
     seed and output position, so its tokens do not depend on what else is in the batch.
     """
     logits, errors = _constrained(logits, params)
+    if len(params.grammar_rows):
+        logits = apply_grammar_mask(logits, params.grammar_rows, grammar_mask)
     # The argmax picks a NaN where a row has one, so the chosen logits reveal the failed rows
-    # without another pass over the vocabulary.
+    # without another pass over the vocabulary; -inf where nothing is allowed.
     chosen, tokens = _row_max(logits)
     for row in np.flatnonzero(np.isnan(chosen)).tolist():
         errors.setdefault(row, "the model produced NaN logits")
+    for row in np.flatnonzero(np.isneginf(chosen)).tolist():
+        errors.setdefault(row, "no token is allowed (the grammar, logit_bias and min_tokens "
+                               "exclude every token)")
     sampled_rows = [r for r in np.flatnonzero(params.temperatures > 0).tolist()
                     if r not in errors]
     if sampled_rows:
@@ -156,6 +163,19 @@ def _constrained(logits: torch.Tensor,
             errors[row] = request_failure("applying its sampling parameters", e)
             logits[row] = float("nan")
     return logits, errors
+
+
+def apply_grammar_mask(logits: torch.Tensor, rows: np.ndarray,
+                       mask: np.ndarray) -> torch.Tensor:
+    """`logits` with the tokens each grammar row's bitmask excludes at -inf (a copy; bit t of
+    a row's int32 words, least significant first, allows token t)."""
+    allowed = np.unpackbits(np.ascontiguousarray(mask).view(np.uint8), axis=1,
+                            bitorder="little")[:, :logits.shape[1]].astype(bool)
+    index = torch.from_numpy(rows).to(logits.device)
+    logits = logits.clone()
+    logits[index] = logits[index].masked_fill(~torch.from_numpy(allowed).to(logits.device),
+                                              float("-inf"))
+    return logits
 
 
 def _apply_penalty(logits: torch.Tensor, penalty: Penalty) -> None:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from braid.engine.batch import StepResult
+from braid.engine.grammar import accept_token
 from braid.engine.kv_cache import BlockManager
 from braid.engine.plan import SequenceRows
 from braid.engine.request import Sequence, SequenceDelta, request_failure
@@ -271,6 +272,7 @@ class Scheduler:
         seq.output_ids.append(token)
         delta.new_token_ids = [token]
         params = seq.params
+        grammar_complete = seq.grammar is not None and accept_token(seq.grammar, token)
         if result.logprobs is not None:
             delta.logprobs = [result.logprobs[row]]
         if len(seq.output_ids) == 1:
@@ -283,6 +285,9 @@ class Scheduler:
                 delta.finish_reason, delta.stop_reason = "stop", token
             elif not params.ignore_eos and token in seq.eos_token_ids:
                 delta.finish_reason = "stop"
+            delta.by_stop_token = delta.finish_reason is not None
+        if delta.finish_reason is None and grammar_complete:  # nothing else may follow
+            delta.finish_reason = "stop"
         if delta.finish_reason is None and (len(seq.output_ids) >= params.max_new_tokens
                                             or seq.num_tokens >= self.max_context):
             delta.finish_reason = "length"

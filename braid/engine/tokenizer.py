@@ -7,7 +7,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from braid.cache import cached
-from braid.config import UserError
+from braid.config import ModelConfig, UserError
 
 
 def load_tokenizer(model: str, use_cache: bool = True):
@@ -38,6 +38,14 @@ def load_tokenizer(model: str, use_cache: bool = True):
     variant = f"transformers-{version('transformers')}"
     tokenizer = cached(path, "tokenizer", build, load, variant) if use_cache else None
     return tokenizer or convert()
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer) -> frozenset[int]:
+    """End-of-sequence ids: the checkpoint's and the tokenizer's."""
+    eos = set(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return frozenset(eos)
 
 
 def apply_chat_template(tokenizer, prompt: str) -> list[int]:

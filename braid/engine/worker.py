@@ -42,10 +42,21 @@ def worker_main(rank: int, world_size: int, conn: Connection, engine: EngineConf
             kind, payload = conn.recv()
             if kind == "stop":
                 return
-            result = runner.prepare_compiled() if kind == "compile" else runner.step(payload)
+            if kind == "compile":
+                result = runner.prepare_compiled()
+            else:  # only rank 0 samples, so only it is sent a grammar mask
+                result = runner.step(payload, receive_mask=lambda: _expect(conn, "mask"))
             if rank == 0:
                 conn.send(("ok", result))
     finally:
         comm.close()
         if trace is not None:
             trace.save(engine.trace)
+
+
+def _expect(conn: Connection, kind: str) -> object:
+    """The payload of the next message, which must be of `kind`."""
+    got, payload = conn.recv()
+    if got != kind:
+        raise RuntimeError(f"expected a {kind!r} message from the driver, got {got!r}")
+    return payload

@@ -22,8 +22,7 @@ import uvicorn
 
 from braid.config import EngineConfig, load_model_config
 from braid.engine.kv_cache import kv_capacity_tokens
-from braid.engine.llm import eos_token_ids
-from braid.engine.tokenizer import load_tokenizer
+from braid.engine.tokenizer import eos_token_ids, load_tokenizer
 from braid.models.registry import model_class
 from braid.server.api import ServerContext, build_app
 from braid.server.async_engine import AsyncEngine

@@ -1,0 +1,171 @@
+"""Constrained decoding: what a request constrains its output to (`StructuredOutputs`), and the
+per-sequence grammar matchers that turn it into a token bitmask for each step (`Grammars`).
+
+llguidance does the grammar work (see docs/benchmarks.md, "Structured outputs", for why it
+and not xgrammar): a constraint becomes an llguidance grammar when the request is made, so a
+bad schema or pattern is the request's error before anything runs; the engine compiles it once
+per text (cached) and gives each sequence its own matcher. The driver fills the next step's
+bitmask while the ranks run the forward step; rank 0 applies it before sampling (see
+`EngineCore.step` and `sampler.apply_grammar_mask`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from braid.config import UserError
+
+# Compact JSON with the separators of Python's json.dumps. Flexible whitespace lets a small model
+# spend its tokens on newlines and indentation, and sometimes never close the object.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+COMPILED_GRAMMARS_KEPT = 256  # distinct grammar texts whose compiled matcher is kept
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on a completion's text: exactly one of a JSON schema (`json`, a dict or its
+    text), any JSON object (`json_object`), a regular expression (`regex`, Rust regex syntax),
+    one of fixed strings (`choice`) or a grammar (`grammar`: Lark, or llama.cpp's GBNF, as
+    vLLM's `structured_outputs` and SGLang's `ebnf` take it).
+
+    The llguidance grammar is made and checked at construction: an invalid schema, pattern or
+    grammar is a `UserError` naming `source` (the API field it came from).
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    source: str = "structured_outputs"
+    compiled: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] * self.json_object)
+        if len(given) != 1:
+            raise UserError(f"{self.source}: give exactly one constraint, got "
+                            f"{', '.join(given) or 'none'}", self.source)
+        object.__setattr__(self, "compiled", self._to_grammar(given[0]))
+
+    def _to_grammar(self, kind: str) -> str:
+        from llguidance import LLMatcher, grammar_from
+
+        try:
+            if kind in ("json", "json_object"):
+                schema = {"type": "object"} if kind == "json_object" else self.json
+                if isinstance(schema, str):
+                    schema = json.loads(schema)
+                if not isinstance(schema, (dict, bool)):
+                    raise ValueError("a JSON schema must be an object")
+                grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            elif kind == "choice":
+                if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                    raise ValueError("choice must be a non-empty list of non-empty strings")
+                grammar = grammar_from("choice", list(self.choice))
+            else:
+                grammar = grammar_from(kind, getattr(self, kind))
+        except ValueError as e:  # json.JSONDecodeError too
+            raise UserError(f"{self.source}: invalid {kind}: {e}", self.source) from None
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+        if failed:
+            raise UserError(f"{self.source}: invalid {kind}: {messages[0].strip()}",
+                            self.source)
+        return grammar
+
+
+@dataclass
+class GrammarTimes:
+    """Where constrained decoding spent time (totals since start, for `/metrics`): masks
+    filled by the driver while the step ran, and how long rank 0 then waited for them."""
+
+    masks: int = 0  # token masks filled (one per constrained sequence per step)
+    fill_s: float = 0.0
+    wait_s: float = 0.0
+
+
+class Grammars:
+    """The engine's grammar matchers: compiled once per grammar text (kept most recently used
+    first), one matcher per constrained sequence, and the token bitmask of a step.
+
+    `load_tokenizer` gives the model's Hugging Face tokenizer; it is called (and converted for
+    llguidance, about a second) at the first constrained request, so engines that never see one
+    never pay for it.
+    """
+
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int,
+                 eos_token_ids: Callable[[object], frozenset[int]]) -> None:
+        self._load_tokenizer = load_tokenizer
+        self._eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32  # int32 words of one row's bitmask
+        self._tokenizer = None
+        self._executor = None
+        self._compiled: OrderedDict[str, object] = OrderedDict()
+        self.times = GrammarTimes()
+
+    def _llg_tokenizer(self):
+        if self._tokenizer is None:
+            import llguidance
+            import llguidance.hf
+
+            hf = self._load_tokenizer()
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                hf, n_vocab=self.vocab_size, eos_token=sorted(self._eos_token_ids(hf)))
+            self._executor = llguidance.LLExecutor()
+        return self._tokenizer
+
+    def matcher(self, structured: StructuredOutputs):
+        """A fresh matcher for one sequence (`UserError` if the grammar does not compile for
+        this model's vocabulary)."""
+        from llguidance import LLMatcher
+
+        text = structured.compiled
+        template = self._compiled.get(text)
+        if template is None:
+            template = LLMatcher(self._llg_tokenizer(), text, log_level=0)
+            if template.is_error():
+                raise UserError(f"{structured.source}: {template.get_error()}",
+                                structured.source)
+            self._compiled[text] = template
+            if len(self._compiled) > COMPILED_GRAMMARS_KEPT:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(text)
+        return template.deep_copy()
+
+    def fill(self, matchers: list) -> tuple[np.ndarray, dict[int, str]]:
+        """The next token's bitmask of each matcher ([G, words] int32, bit t of a row set where
+        token t is allowed), and the rows whose matcher failed (grammar errors, resource
+        limits): those rows allow every token and must not be sampled. Never raises: rank 0
+        waits for this mask."""
+        start = time.perf_counter()
+        mask = np.full((len(matchers), self.words), -1, dtype=np.int32)
+        errors = {i: m.get_error() for i, m in enumerate(matchers) if m.is_error()}
+        live = [(m, i) for i, m in enumerate(matchers) if i not in errors]
+        try:
+            if live:
+                self._executor.unsafe_compute_mask_ptr(live, mask.ctypes.data,
+                                                       self.words * 4, len(matchers))
+        except Exception as e:  # noqa: BLE001 - an API misuse: fail these rows, not the engine
+            errors.update({i: f"{type(e).__name__}: {e}" for _, i in live})
+        errors.update({i: m.get_error() for m, i in live if m.is_error()})
+        mask[list(errors)] = -1
+        self.times.masks += len(matchers)
+        self.times.fill_s += time.perf_counter() - start
+        return mask, errors
+
+
+def accept_token(matcher, token: int) -> bool:
+    """Advance a sequence's matcher by its sampled token; whether the grammar is now complete
+    (nothing else may follow). `RuntimeError` if the grammar refuses the token."""
+    if not matcher.consume_token(token):
+        raise RuntimeError(f"the grammar refused token {token}: {matcher.get_error()}")
+    return matcher.is_stopped()
