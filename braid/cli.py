@@ -122,7 +122,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from braid.engine.request import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            structured=structured_outputs(args))
     with LLM(**engine_kwargs(args)) as llm:
         outputs = llm.generate(args.prompts, params, chat=args.chat)
     for out in outputs:
@@ -133,16 +134,35 @@ def cmd_generate(args: argparse.Namespace) -> None:
             print(out.text.strip() if len(outputs) == 1 else f"[{out.prompt}] {out.text.strip()}")
 
 
+def structured_outputs(args: argparse.Namespace):
+    """`braid generate`'s output constraint: --json-schema FILE or --regex (or None)."""
+    from braid.engine.grammar import StructuredOutputs
+
+    if args.json_schema is not None and args.regex is not None:
+        raise UserError("give --json-schema or --regex, not both")
+    if args.json_schema is not None:
+        return StructuredOutputs(json=read_text(args.json_schema, "--json-schema"),
+                                 source="--json-schema")
+    if args.regex is not None:
+        return StructuredOutputs(regex=args.regex, source="--regex")
+    return None
+
+
+def read_text(path: str, flag: str) -> str:
+    """A file a flag names, as text (`UserError` naming the flag if it cannot be read)."""
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{flag}: {e}") from None
+
+
 def api_key(args: argparse.Namespace) -> str | None:
     """The server's key: --api-key, the first line of --api-key-file, or $BRAID_API_KEY."""
     if args.api_key is not None and args.api_key_file is not None:
         raise UserError("give --api-key or --api-key-file, not both")
     key = args.api_key
     if args.api_key_file is not None:
-        try:
-            lines = Path(args.api_key_file).read_text().splitlines()
-        except OSError as e:
-            raise UserError(f"--api-key-file: {e}") from None
+        lines = read_text(args.api_key_file, "--api-key-file").splitlines()
         key = lines[0].strip() if lines else ""
     if key is None:
         key = os.environ.get("BRAID_API_KEY") or None
@@ -179,7 +199,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              served_model_name=args.served_model_name, api_key=key,
                              api_key_all_routes=args.api_key_all_routes,
                              log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
-                             limits=limits, report_cached_tokens=args.report_cached_tokens)
+                             limits=limits, report_cached_tokens=args.report_cached_tokens,
+                             chat_template=(read_text(args.chat_template, "--chat-template")
+                                            if args.chat_template else None),
+                             tool_call_parser=args.tool_call_parser)
     config = EngineConfig(**{**engine_kwargs(args), "model": args.model or default_model_path()})
     try:
         return run_server(config, settings)
@@ -299,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per prompt: prompt, text, token_ids")
+    gen.add_argument("--json-schema", default=None, metavar="FILE",
+                     help="constrain the output to JSON following this JSON schema")
+    gen.add_argument("--regex", default=None,
+                     help="constrain the output to text matching this regular expression")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.set_defaults(func=cmd_generate)
 
@@ -328,6 +355,15 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument("--" + flag.replace("_", "-"), type=int,
                            default=getattr(limits, flag), metavar="N",
                            help=f"{help_text} (default %(default)s)")
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template replacing the model's (e.g. one that "
+                            "takes tools)")
+    from braid.server.tool_calls import TOOL_CALL_PARSERS
+
+    serve.add_argument("--tool-call-parser", default="auto",
+                       choices=["auto", "none", *TOOL_CALL_PARSERS],
+                       help="how tool calls are read from the output of tool_choice auto "
+                            "(default auto: from the chat template's markers)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",

@@ -152,17 +152,21 @@ def tiny_llama(tmp_path_factory, tokenizer) -> str:
 
 
 API_KEY = "test-key"
+# SmolLM2's template plus Hermes tool calls (the same prompts without tools)
+CHAT_TEMPLATE_WITH_TOOLS = Path(__file__).parent.parent / "examples" / "chatml_tools.jinja"
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """One `braid serve --tp 2 --api-key API_KEY` for every test of the API (eager steps).
+    """One `braid serve --tp 2 --api-key API_KEY --chat-template CHAT_TEMPLATE_WITH_TOOLS` for
+    every test of the API (eager steps).
     Overlap from 1024 tokens (shm's default is above any CPU step), so long prompts run the
     overlapped path through the server. At the end of the session it must stop on SIGTERM
     with exit code 0, its engine and ranks gone and no shared memory left."""
     from server_utils import braid_server, shm_segments_of
 
     with braid_server("--tp", "2", "--api-key", API_KEY, "--overlap-min-tokens", "1024",
+                      "--chat-template", str(CHAT_TEMPLATE_WITH_TOOLS),
                       log_dir=tmp_path_factory.mktemp("server")) as server:
         yield server
         engine, ranks = server.engine_and_ranks()

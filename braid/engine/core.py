@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
 from typing import Protocol
@@ -149,7 +149,7 @@ class EngineStats:
     num_steps_dp_linear: int
     steps_by_path: dict[str, int]  # `StepResult.path` -> steps that took it
     num_sequences_received: int = 0  # every sequence of every request `add` was given
-    grammar: GrammarTimes | None = None
+    grammar: GrammarTimes = field(default_factory=GrammarTimes)
 
 
 def check_request(prompt_ids: list[int], params: SamplingParams, model_config: ModelConfig,
@@ -163,13 +163,13 @@ def check_request(prompt_ids: list[int], params: SamplingParams, model_config: M
     if not prompt_ids:
         raise UserError("a prompt must have at least one token", "prompt")
     vocab = model_config.vocab_size
-    for field, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids),
-                       ("logit_bias", [t for t, _ in params.logit_bias]),
-                       ("logprob_token_ids", params.logprob_token_ids)):
+    for name, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids),
+                      ("logit_bias", [t for t, _ in params.logit_bias]),
+                      ("logprob_token_ids", params.logprob_token_ids)):
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise UserError(f"{field}: token id {bad[0]} is outside the vocabulary "
-                            f"(0..{vocab - 1})", field)
+            raise UserError(f"{name}: token id {bad[0]} is outside the vocabulary "
+                            f"(0..{vocab - 1})", name)
     if n >= context:
         raise UserError(f"prompt of {n} tokens does not fit the model's context of {context} "
                         "tokens", "prompt")

@@ -66,7 +66,8 @@ class StructuredOutputs:
                     schema = json.loads(schema)
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError("a JSON schema must be an object")
-                grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+                grammar = LLMatcher.grammar_from_json_schema(closed_objects(schema),
+                                                             defaults=JSON_OPTIONS)
             elif kind == "choice":
                 if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                     raise ValueError("choice must be a non-empty list of non-empty strings")
@@ -80,6 +81,36 @@ class StructuredOutputs:
             raise UserError(f"{self.source}: invalid {kind}: {messages[0].strip()}",
                             self.source)
         return grammar
+
+
+# Keywords whose value is a subschema, a list of them, or a map of names to them
+_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
+              "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")
+
+
+def closed_objects(schema):
+    """`schema` with `additionalProperties: false` on every object schema that lists its
+    `properties` and says nothing about others: xgrammar's strict mode, the default of SGLang
+    and vLLM. By the letter of JSON Schema such an object takes any other key, and a small
+    model, free to add keys, may never close it (a pydantic model's schema omits the rule)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(item) for item in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(item) for name, item in out[key].items()}
+    return out
 
 
 @dataclass

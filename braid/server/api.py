@@ -24,6 +24,7 @@ from braid.config import ModelConfig, UserError
 from braid.engine.core import check_request
 from braid.engine.request import SamplingParams
 from braid.server.async_engine import AsyncEngine, EngineDead
+from braid.server.chat_tools import ToolOutput
 from braid.server.generation import PromptRun, close, generate, make_runs, submit
 from braid.server.metrics import Metrics
 from braid.server.middleware import LimitBody, RequireAPIKey
@@ -34,11 +35,13 @@ from braid.server.protocol import (
     DetokenizeRequest,
     RequestLimits,
     TokenizeRequest,
+    Tool,
     bounded_models,
     error_body,
     unsupported_field,
 )
 from braid.server.responses import ChatResponder, CompletionResponder, sse
+from braid.server.tool_calls import ToolCallParser
 
 DISCONNECT_POLL_S = 0.5
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # no key needed, unless --api-key-all-routes
@@ -61,6 +64,7 @@ class ServerContext:
     api_key_all_routes: bool = False  # the key on /health and /metrics too
     limits: RequestLimits = field(default_factory=RequestLimits)
     report_cached_tokens: bool = True  # usage.prompt_tokens_details.cached_tokens
+    tool_parser: ToolCallParser | None = None  # reads tool_choice "auto" outputs
     created: int = 0
 
     @property
@@ -202,7 +206,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         check_fields(body)
         check_capacity(body.n)
-        ids = _chat_prompt(ctx.tokenizer, body.messages)
+        tools = _tool_output(body, ctx.tool_parser)
+        ids = _chat_prompt(ctx.tokenizer, body.messages,
+                           body.tools if tools.mode != "none" else None)
         max_tokens = body.max_completion_tokens or body.max_tokens or _room(ctx, len(ids))
         top = body.top_logprobs
         if top is not None and not body.logprobs:
@@ -211,7 +217,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         _check(ids, params, ctx, "messages")
         runs = make_runs(f"chatcmpl-{secrets.token_hex(12)}", [ids], params, ctx.tokenizer)
         response = ChatResponder(ctx.tokenizer, ctx.model_name, body, runs,
-                                 ctx.report_cached_tokens)
+                                 ctx.report_cached_tokens, tools)
         return await run(runs, body.stream, response, raw)
 
     return app
@@ -313,8 +319,22 @@ def _text_part(part: dict) -> str:
     return part["text"]
 
 
-def _chat_prompt(tokenizer, messages: list[ChatMessage]) -> list[int]:
-    """Token ids of a conversation through the model's chat template."""
+def _tool_output(body: ChatCompletionRequest, parser: ToolCallParser | None) -> ToolOutput:
+    """How the request's choices are read (400 for "auto" tool calls without a parser)."""
+    mode = body.tool_mode
+    if mode == "auto" and parser is None:
+        raise APIError(400, "tool_choice auto needs a tool-call parser, and this model's chat "
+                            "template has no known tool-call format: start the server with "
+                            "--tool-call-parser (and --chat-template), or send tool_choice "
+                            "required, none or a named function", "tool_choice")
+    name = body.tool_choice.function.name if mode == "named" else None
+    return ToolOutput(mode, parser, name)
+
+
+def _chat_prompt(tokenizer, messages: list[ChatMessage],
+                 tools: list[Tool] | None = None) -> list[int]:
+    """Token ids of a conversation (and the tools it offers) through the model's chat
+    template."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
     conversation = []
@@ -324,8 +344,9 @@ def _chat_prompt(tokenizer, messages: list[ChatMessage]) -> list[int]:
             entry["content"] = "".join(_text_part(part) for part in message.content)
         conversation.append(entry)
     try:
-        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True,
+            tools=[tool.model_dump(exclude_none=True) for tool in tools] if tools else None)
     except Exception as e:  # noqa: BLE001 - a template's own complaint about the messages
         raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from e
     if hasattr(ids, "keys"):

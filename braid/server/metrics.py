@@ -43,6 +43,17 @@ class Metrics:
                                            "Steps with token-split replicated projections",
                                            registry=r),
         }
+        # Constrained decoding: the driver fills masks while the forward runs; what rank 0
+        # still waits for them is the cost the overlap did not hide.
+        self._grammar = {
+            "masks": Counter("braid:grammar_masks", "Token bitmasks filled for sequences "
+                             "constrained by a grammar (one per sequence per step)", registry=r),
+            "fill_s": Counter("braid:grammar_mask_fill_seconds", "Driver time spent filling "
+                              "grammar bitmasks, while the forward step runs", registry=r),
+            "wait_s": Counter("braid:grammar_mask_wait_seconds", "Time rank 0 waited for a "
+                              "grammar bitmask after its logits were ready (not hidden by the "
+                              "forward step)", registry=r),
+        }
         # The engine reports running totals; counters grow by the change since the last report
         self._last: dict[str, int] = {}
         self.steps_by_path = Counter("braid:engine_steps_by_path",
@@ -85,10 +96,12 @@ class Metrics:
             self.prefix_hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries)
         for name, counter in self._totals.items():
             self._add_since_last(counter, name, getattr(stats, name))
+        for name, counter in self._grammar.items():
+            self._add_since_last(counter, f"grammar:{name}", getattr(stats.grammar, name))
         for path, value in stats.steps_by_path.items():
             self._add_since_last(self.steps_by_path.labels(path=path), f"path:{path}", value)
 
-    def _add_since_last(self, counter, key: str, total: int) -> None:
+    def _add_since_last(self, counter, key: str, total: float) -> None:
         counter.inc(total - self._last.get(key, 0))
         self._last[key] = total
 

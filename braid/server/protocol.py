@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from braid.config import UserError
+from braid.engine.grammar import StructuredOutputs
 from braid.engine.request import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -23,6 +24,7 @@ from braid.engine.request import (
     REPETITION_PENALTY_RANGE,
     SamplingParams,
 )
+from braid.server.tool_calls import named_tool_schema, required_tools_schema
 
 
 @dataclass(frozen=True)
@@ -46,12 +48,41 @@ class RequestLimits:
                              "--max-queued-sequences (such a request could never queue)")
 
 
+MAX_TOOLS = 128  # functions one chat request may offer
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    """`response_format.json_schema`: OpenAI's named schema."""
+
+    name: str = Field("response", max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """`response_format`: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(OpenAIModel):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(OpenAIModel):
@@ -80,6 +111,45 @@ class SamplingFields(OpenAIModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None \
         = None  # token id (as a string) -> added to its logit
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # Constraints on the output: OpenAI's, vLLM's (and its older guided_*), SGLang's
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None  # SGLang's: the schema as JSON text
+
+    def structured(self) -> StructuredOutputs | None:
+        """The request's output constraint, from whichever field gives it (`UserError`,
+        naming the field, for an invalid one or for more than one)."""
+        given: list[tuple[str, dict]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            fmt = self.response_format
+            if fmt.type == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise UserError("response_format: json_schema.schema is required for type "
+                                "json_schema", "response_format")
+            else:
+                given.append(("response_format", {"json": fmt.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs",
+                          self.structured_outputs.model_dump(exclude_none=True, by_alias=True)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar"),
+                          ("regex", "regex"), ("ebnf", "grammar"), ("json_schema", "json")):
+            if getattr(self, name) is not None:
+                given.append((name, {key: getattr(self, name)}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise UserError(f"{given[1][0]}: give one output constraint, not "
+                            f"{' and '.join(name for name, _ in given)}", given[1][0])
+        source, constraint = given[0]
+        return StructuredOutputs(**constraint, source=source)
 
     def sampling_params(self, max_new_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
@@ -109,6 +179,7 @@ class SamplingFields(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=bias,
             cache_salt=self.cache_salt,
+            structured=self.structured(),
         )
 
 
@@ -128,6 +199,27 @@ class ChatMessage(OpenAIModel):
     content: str | list[dict] | None = None
 
 
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`."""
 
@@ -136,6 +228,36 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    # OpenAI's default: "auto" with tools, "none" without
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required" or "named" (`tool_choice` with its default)."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        return "named" if isinstance(choice, NamedToolChoice) else choice
+
+    def structured(self) -> StructuredOutputs | None:
+        """As for completions, plus the constraint of `tool_choice` "required" or a named
+        function: the output is the calls' JSON (`tool_calls`)."""
+        constraint = super().structured()
+        mode = self.tool_mode
+        if mode in ("none", "auto"):
+            return constraint
+        if not self.tools:
+            raise UserError(f"tool_choice {mode!r} needs `tools`", "tool_choice")
+        if constraint is not None:
+            raise UserError(f"tool_choice {mode!r} constrains the output already: leave out "
+                            f"{constraint.source}", constraint.source)
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        try:
+            schema = (named_tool_schema(tools, self.tool_choice.function.name)
+                      if mode == "named" else required_tools_schema(tools))
+        except ValueError as e:
+            raise UserError(f"tool_choice: {e}", "tool_choice") from None
+        return StructuredOutputs(json=schema, source="tools")
 
 
 class TokenizeRequest(OpenAIModel):
@@ -195,12 +317,10 @@ def bounded_models(limits: RequestLimits, vocab_size: int, max_context: int) -> 
 # Fields of OpenAI's API, and of vLLM's and SGLang's, that change what is generated and that
 # braid does not implement, with the values that ask for nothing (accepted).
 _NOT_IMPLEMENTED: dict[str, tuple] = {
-    "response_format": (None, {"type": "text"}), "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),
     "suffix": (None, ""), "best_of": (None, 1), "use_beam_search": (None, False),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,), "regex": (None,), "ebnf": (None,),
-    "json_schema": (None,), "audio": (None,), "prediction": (None,),
+    "guided_whitespace_pattern": (None,), "guided_decoding_backend": (None,),
+    "structural_tag": (None,), "audio": (None,), "prediction": (None,),
     "web_search_options": (None,), "modalities": (None, ["text"]),
     "truncate_prompt_tokens": (None,), "lora_path": (None,), "reasoning_effort": (None,),
     "include_stop_str_in_output": (None, False), "allowed_token_ids": (None,),

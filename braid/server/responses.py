@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from braid.engine.request import TokenLogprob
 from braid.server.async_engine import EngineDead
+from braid.server.chat_tools import ChoiceTools, ToolOutput
 from braid.server.generation import PromptRun, TextEvent, usage
 from braid.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
@@ -196,47 +197,59 @@ class CompletionResponder(_Responder):
 
 
 class ChatResponder(_Responder):
-    """`/v1/chat/completions` responses."""
+    """`/v1/chat/completions` responses; `tools` reads tool calls out of the text."""
 
     def __init__(self, tokenizer, model_name: str, body: ChatCompletionRequest,
-                 runs: list[PromptRun], report_cached: bool = True) -> None:
+                 runs: list[PromptRun], report_cached: bool = True,
+                 tools: ToolOutput | None = None) -> None:
         super().__init__(tokenizer, model_name, body, runs, report_cached)
         self.object_name = "chat.completion.chunk" if body.stream else "chat.completion"
+        self.tools = tools or ToolOutput("none")
 
     def response(self) -> dict:
         choices = []
         for state in self.runs[0].states:
+            content, calls = self.tools.message(state.text)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [call.to_openai() for call in calls]
             choices.append({
-                "index": state.index,
-                "message": {"role": "assistant", "content": state.text},
+                "index": state.index, "message": message,
                 "logprobs": self._logprobs(state.logprobs) if self.request.logprobs else None,
-                "finish_reason": state.finish_reason, "stop_reason": state.stop_reason})
+                "finish_reason": _finish_reason(state.finish_reason, bool(calls)),
+                "stop_reason": state.stop_reason})
         return self.envelope(choices, usage=self.usage())
 
     async def chunks(self, events: AsyncIterator[TextEvent]) -> AsyncIterator[dict]:
-        started: set[int] = set()
+        choices: dict[int, ChoiceTools] = {}
         pending: dict[int, list] = {}
         async for event in events:
             if (error := self.error_chunk(event)) is not None:
                 yield error
                 continue
             index = event.state.index
-            if index not in started:  # OpenAI opens each choice with the role
-                started.add(index)
+            if index not in choices:  # OpenAI opens each choice with the role
+                choices[index] = self.tools.choice()
                 yield self.envelope([{"index": index, "delta": {"role": "assistant",
                                                                 "content": ""},
                                       "logprobs": None, "finish_reason": None}])
             entries = pending.setdefault(index, [])
             entries += event.logprobs
             finish = event.state.finish_reason
-            if not event.text and finish is None:
+            content, calls = choices[index].feed(event.text)
+            if finish is not None:
+                more_content, more_calls = choices[index].finish()
+                content, calls = content + more_content, calls + more_calls
+            if not content and not calls and finish is None:
                 continue
             pending[index] = []
-            delta = {"content": event.text} if event.text else {}
+            delta: dict = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = calls
             yield self.envelope([{
                 "index": index, "delta": delta,
                 "logprobs": self._logprobs(entries) if self.request.logprobs else None,
-                "finish_reason": finish,
+                "finish_reason": _finish_reason(finish, choices[index].num_calls > 0),
                 "stop_reason": event.state.stop_reason if finish else None}])
         if self.include_usage():
             yield self.envelope([], usage=self.usage())
@@ -249,3 +262,8 @@ class ChatResponder(_Responder):
         return {"content": [
             {**item(e.token_id, e.logprob),
              "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for a choice that ended in calls."""
+    return "tool_calls" if called and reason == "stop" else reason

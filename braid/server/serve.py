@@ -28,6 +28,7 @@ from braid.server.api import ServerContext, build_app
 from braid.server.async_engine import AsyncEngine
 from braid.server.metrics import Metrics
 from braid.server.protocol import RequestLimits
+from braid.server.tool_calls import parser_for
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class ServeSettings:
     shutdown_timeout: float = 5.0
     limits: RequestLimits = RequestLimits()
     report_cached_tokens: bool = True
+    chat_template: str | None = None  # replaces the model's (--chat-template's text)
+    tool_call_parser: str = "auto"  # a TOOL_CALL_PARSERS name, "auto" or "none"
 
 
 class _Server(uvicorn.Server):
@@ -86,6 +89,8 @@ def run_server(config: EngineConfig, settings: ServeSettings) -> int:
     engine = AsyncEngine(config)
     try:
         tokenizer = load_tokenizer(config.model, config.cache)  # while the engine loads the model
+        if settings.chat_template is not None:
+            tokenizer.chat_template = settings.chat_template
         engine.wait_ready()
         metrics = Metrics()
         ctx = ServerContext(
@@ -96,6 +101,9 @@ def run_server(config: EngineConfig, settings: ServeSettings) -> int:
             eos_token_ids=eos_token_ids(model_config, tokenizer), metrics=metrics,
             api_key=settings.api_key, api_key_all_routes=settings.api_key_all_routes,
             limits=settings.limits, report_cached_tokens=settings.report_cached_tokens,
+            tool_parser=(None if settings.tool_call_parser == "none" else
+                         parser_for(settings.tool_call_parser,
+                                    getattr(tokenizer, "chat_template", None))),
             created=int(time.time()))
         metrics.queued.set_function(lambda: engine.queued_sequences)
         server = _Server(uvicorn.Config(build_app(ctx), host=settings.host, port=settings.port,

@@ -1,0 +1,87 @@
+"""How a chat choice's text becomes its assistant message when the request offers tools:
+plain content (`tool_choice` "none", or no tools), the arguments of the one function a request
+named, the JSON array of calls that "required" constrains the output to, or whatever the
+model's tool-call parser finds ("auto"). Streamed, each choice has a `ChoiceTools` turning
+text pieces into `delta.content` and `delta.tool_calls` entries (OpenAI's shapes).
+"""
+
+from __future__ import annotations
+
+from braid.server.tool_calls import (
+    ToolCall,
+    ToolCallParser,
+    calls_from_required_output,
+    new_call_id,
+)
+
+
+class ToolOutput:
+    """A chat request's rule for reading its choices' text (`ChatCompletionRequest.tool_mode`
+    and, for "auto", the server's parser; "named": `function` is the forced one)."""
+
+    def __init__(self, mode: str, parser: ToolCallParser | None = None,
+                 function: str | None = None) -> None:
+        self.mode, self.parser, self.function = mode, parser, function
+
+    def message(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The whole text's content and tool calls."""
+        if self.mode == "named":
+            return None, [ToolCall(new_call_id(), self.function, text)]
+        if self.mode == "required":  # text that is not the array (cut short) is content
+            calls = calls_from_required_output(text)
+            return (None, calls) if calls else (text, [])
+        if self.mode == "auto" and self.parser is not None:
+            return self.parser.parse(text)
+        return text, []
+
+    def choice(self) -> ChoiceTools:
+        """A streamed choice's reader."""
+        return ChoiceTools(self)
+
+
+class ChoiceTools:
+    """One streamed choice: text pieces in, (content, tool_calls delta entries) out."""
+
+    def __init__(self, output: ToolOutput) -> None:
+        self.output = output
+        self.num_calls = 0
+        self._call_id: str | None = None  # "named": the call whose arguments are streaming
+        self._text: list[str] = []  # "required": the array, read whole at the end
+        self._stream = (output.parser.stream() if output.mode == "auto" and output.parser
+                        else None)
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        mode = self.output.mode
+        if mode == "named":  # the arguments stream as they are generated
+            if not text:
+                return "", []
+            if self._call_id is None:
+                self._call_id = new_call_id()
+                self.num_calls = 1
+                return "", [{"index": 0, "id": self._call_id, "type": "function",
+                             "function": {"name": self.output.function, "arguments": text}}]
+            return "", [{"index": 0, "function": {"arguments": text}}]
+        if mode == "required":
+            self._text.append(text)
+            return "", []
+        if self._stream is not None:
+            content, calls = self._stream.feed(text)
+            return content, self._entries(calls)
+        return text, []
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """What the end of the choice's text releases."""
+        if self.output.mode == "required":
+            content, calls = self.output.message("".join(self._text))
+            return content or "", self._entries(calls)
+        if self._stream is not None:
+            content, calls = self._stream.finish()
+            return content, self._entries(calls)
+        return "", []
+
+    def _entries(self, calls: list[ToolCall]) -> list[dict]:
+        entries = []
+        for call in calls:
+            entries.append({"index": self.num_calls, **call.to_openai()})
+            self.num_calls += 1
+        return entries

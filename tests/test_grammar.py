@@ -1,0 +1,122 @@
+"""Constrained decoding in the engine: constraints checked when made, the bitmask the driver
+fills and rank 0 applies, and a grammar through the scheduler (a sequence ends when its
+grammar is complete; preemption and recompute change no constrained output)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from engine_utils import FAKE_EOS, fake_core, run_requests
+
+from braid.config import UserError
+from braid.engine.grammar import Grammars, StructuredOutputs, accept_token, closed_objects
+from braid.engine.plan import sampling_batch
+from braid.engine.request import SamplingParams, Sequence
+from braid.engine.sampler import sample
+
+DIGITS = r"[0-9]{3}-[0-9]{2,5}"
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return Grammars(lambda: tokenizer, len(tokenizer), lambda t: frozenset({t.eos_token_id}))
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({}, "structured_outputs"),
+    ({"regex": "a", "choice": ["a"]}, "structured_outputs"),
+    ({"regex": "[a-", "source": "guided_regex"}, "guided_regex"),
+    ({"json": {"type": "strnig"}, "source": "response_format"}, "response_format"),
+    ({"json": "{oops"}, "structured_outputs"),
+    ({"json": {"type": "array", "uniqueItems": True}}, "structured_outputs"),
+    ({"choice": []}, "structured_outputs"),
+    ({"grammar": "root ::= missing"}, "structured_outputs"),
+    ({"grammar": "start: missing"}, "structured_outputs"),
+])
+def test_an_invalid_constraint_names_its_source(kwargs, field):
+    with pytest.raises(UserError) as error:
+        StructuredOutputs(**kwargs)
+    assert error.value.param == field
+
+
+def test_objects_without_a_rule_for_other_keys_take_none():
+    schema = {"type": "object", "properties": {
+        "properties": {"type": "object", "properties": {"a": {"type": "integer"}}},
+        "open": {"type": "object", "properties": {}, "additionalProperties": True},
+        "list": {"type": "array", "items": {"$ref": "#/$defs/item"}},
+        "either": {"anyOf": [{"type": "object", "properties": {"b": {}}}, {"type": "null"}]}},
+        "$defs": {"item": {"type": "object", "properties": {"c": {}}}}}
+    closed = closed_objects(schema)
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert set(props) == {"properties", "open", "list", "either"}  # a key named "properties"
+    assert props["properties"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True  # an explicit rule is kept
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert closed["$defs"]["item"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the request's own schema is not changed
+
+
+def decode_randomly(grammars, tokenizer, structured: StructuredOutputs, seed: int) -> str:
+    """Sample from random logits under the grammar's mask until the grammar is complete: the
+    bitmask, the sampler's masking and the matcher's advance, without a model."""
+    matcher = grammars.matcher(structured)
+    generator = torch.Generator().manual_seed(seed)
+    seq = Sequence(0, "r", 0, [1], SamplingParams(temperature=1.0))
+    tokens: list[int] = []
+    for _ in range(64):
+        batch = sampling_batch([seq])
+        batch.grammar_rows = np.array([0])
+        mask, errors = grammars.fill([matcher])
+        assert not errors
+        logits = torch.randn(1, len(tokenizer), generator=generator) * 4
+        (token,), failed = sample(logits, batch, generator, mask)
+        assert not failed
+        tokens.append(token)
+        if accept_token(matcher, token):
+            return tokenizer.decode(tokens, skip_special_tokens=True)
+    raise AssertionError(f"the grammar never completed: {tokenizer.decode(tokens)!r}")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_masked_sampling_only_makes_what_the_grammar_allows(grammars, tokenizer, seed):
+    assert re.fullmatch(DIGITS, decode_randomly(grammars, tokenizer,
+                                                StructuredOutputs(regex=DIGITS), seed))
+    choice = decode_randomly(grammars, tokenizer,
+                             StructuredOutputs(choice=["red", "green", "blue sky"]), seed)
+    assert choice in ("red", "green", "blue sky")
+
+
+def test_a_row_the_mask_leaves_nothing_fails_alone(grammars):
+    seq = Sequence(0, "r", 0, [1], SamplingParams(temperature=0))
+    batch = sampling_batch([seq, seq])
+    batch.grammar_rows = np.array([1])
+    tokens, errors = sample(torch.randn(2, grammars.vocab_size), batch, torch.Generator(),
+                            np.zeros((1, grammars.words), dtype=np.int32))
+    assert tokens[0] is not None and tokens[1] is None and "no token is allowed" in errors[1]
+
+
+def constrained_core(tokenizer, **engine_args):
+    """An engine core over the fake model with SmolLM2's tokenizer for its grammars (the fake's
+    1000-token vocabulary is the tokenizer's first 1000 tokens; the digits are among them)."""
+    core, runner = fake_core(**engine_args)
+    core.grammars = Grammars(lambda: tokenizer, len(tokenizer), lambda t: frozenset({FAKE_EOS}))
+    return core, runner
+
+
+def test_a_grammar_ends_its_sequence_and_preemption_changes_nothing(tokenizer):
+    params = SamplingParams(max_new_tokens=70, temperature=0,
+                            structured=StructuredOutputs(regex="[0-9]{60}"))
+    prompts = [[5, 6, 7] * 4, [9, 8] * 10]
+    roomy, _ = constrained_core(tokenizer, max_total_tokens=65536)
+    expected = run_requests(roomy, prompts, params)
+    assert all(len(out) == 60 for out in expected)  # one digit a token, then complete
+    assert all(re.fullmatch("[0-9]{60}", tokenizer.decode(out)) for out in expected)
+    tight, _ = constrained_core(tokenizer, max_total_tokens=128, block_size=16,
+                                max_num_batched_tokens=8)
+    assert run_requests(tight, prompts, params) == expected
+    assert tight.scheduler.num_preemptions > 0
+    assert tight.stats().grammar.masks == sum(len(out) for out in expected)
