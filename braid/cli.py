@@ -148,6 +148,19 @@ def structured_outputs(args: argparse.Namespace):
     return None
 
 
+def json_object(text: str | None, flag: str) -> dict:
+    """A flag's JSON object ({} when absent); `UserError` naming the flag otherwise."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{flag}: not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{flag}: expected a JSON object")
+    return value
+
+
 def read_text(path: str, flag: str) -> str:
     """A file a flag names, as text (`UserError` naming the flag if it cannot be read)."""
     try:
@@ -222,6 +235,7 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
         random_input_len=args.random_input_len, random_output_len=args.random_output_len,
         random_range_ratio=args.random_range_ratio, seed=args.seed,
         tokenize_prompt=args.tokenize_prompt, warmup_requests=args.warmup_requests,
+        extra_request_body=json_object(args.extra_request_body, "--extra-request-body"),
         output_file=args.output_file, plot=args.plot, tag=args.tag,
         disable_tqdm=args.disable_tqdm))
 
@@ -384,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--request-rate", type=float, default=float("inf"),
                          help="requests per second, Poisson arrivals (inf: all at once)")
     serving.add_argument("--max-concurrency", type=int, default=None)
+    serving.add_argument("--extra-request-body", default=None, metavar="JSON",
+                         help="a JSON object merged into every request's body (SGLang's flag), "
+                              'e.g. \'{"response_format": {...}}\'')
     serving.add_argument("--tokenize-prompt", action="store_true",
                          help="send token ids instead of text, so prompt lengths are exact")
     serving.add_argument("--warmup-requests", type=int, default=1)

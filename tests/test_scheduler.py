@@ -177,7 +177,7 @@ def test_nan_logits_fail_only_that_request():
 
 def test_a_reply_for_another_step_is_an_error():
     core, runner = fake_core()
-    runner.step = lambda plan: StepResult(plan.step_id - 1)  # a reply left from the last step
+    runner.step = lambda plan, fill_masks=None: StepResult(plan.step_id - 1)  # a stale reply
     core.add(Request("r", PROMPTS[0], GREEDY))
     with pytest.raises(EngineError, match="answered step 0 when asked for step 1"):
         core.step()

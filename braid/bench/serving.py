@@ -57,6 +57,7 @@ class ServingConfig:
     tag: str | None = None
     disable_tqdm: bool = False
     timeout_s: float = 3600.0
+    extra_request_body: dict = field(default_factory=dict)  # merged into every request
 
 
 @dataclass
@@ -105,14 +106,17 @@ def load_bench_tokenizer(path: str | None):
 
 
 async def send_request(client: httpx.AsyncClient, url: str, model: str, backend: str,
-                       request: BenchRequest, tokenize_prompt: bool) -> RequestResult:
-    """One streamed completion; its timings, text and reported token count."""
+                       request: BenchRequest, tokenize_prompt: bool,
+                       extra: dict | None = None) -> RequestResult:
+    """One streamed completion (its body plus `extra`); its timings, text and reported token
+    count."""
     payload = {"model": model,
                "prompt": request.prompt_ids if tokenize_prompt else request.prompt,
                "temperature": 0.0, "max_tokens": request.output_len, "stream": True,
                "stream_options": {"include_usage": True}}
     if backend != "openai":
         payload["ignore_eos"] = True
+    payload.update(extra or {})
     result = RequestResult(request.prompt_len)
     start = time.perf_counter()
     result.start_time = start
@@ -172,7 +176,8 @@ async def run_requests(config: ServingConfig, model: str,
             first = requests[0]
             warm = BenchRequest(first.prompt, first.prompt_ids, min(first.output_len, 32))
             results = await asyncio.gather(*(
-                send_request(client, url, model, config.backend, warm, config.tokenize_prompt)
+                send_request(client, url, model, config.backend, warm, config.tokenize_prompt,
+                             config.extra_request_body)
                 for _ in range(config.warmup_requests)))
             if not any(r.success for r in results):
                 raise UserError(f"warm-up failed; check the flags. Error: {results[0].error}")
@@ -186,11 +191,12 @@ async def run_requests(config: ServingConfig, model: str,
         async def limited(request: BenchRequest) -> RequestResult:
             if semaphore is None:
                 result = await send_request(client, url, model, config.backend, request,
-                                            config.tokenize_prompt)
+                                            config.tokenize_prompt, config.extra_request_body)
             else:
                 async with semaphore:
                     result = await send_request(client, url, model, config.backend, request,
-                                                config.tokenize_prompt)
+                                                config.tokenize_prompt,
+                                                config.extra_request_body)
             if progress is not None:
                 progress.update(1)
             return result

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from braid import native
 from braid.engine.batch import Penalty, SamplingBatch, StepPlan, StepResult
 from braid.engine.request import TokenLogprob, request_failure
 
@@ -21,9 +22,13 @@ def postprocess(logits: torch.Tensor, plan: StepPlan, generator: torch.Generator
     result = StepResult(plan.step_id, logits=logits.cpu() if plan.return_logits else None)
     if plan.sampling is not None:
         rows = _select_rows(logits, plan.sample_rows)
-        result.tokens, result.errors = sample(rows, plan.sampling, generator, grammar_mask)
         sampling = plan.sampling
-        if (sampling.num_logprobs >= 0).any() or any(sampling.scored_ids):
+        wants_logprobs = bool((sampling.num_logprobs >= 0).any() or any(sampling.scored_ids))
+        # Nothing reads the raw logits after sampling: masks and penalties may overwrite them
+        scratch = not (wants_logprobs or plan.return_logits
+                       or plan.prompt_logprobs is not None)
+        result.tokens, result.errors = sample(rows, sampling, generator, grammar_mask, scratch)
+        if wants_logprobs:
             chosen = [t if t is not None else 0 for t in result.tokens]
             entries = token_logprobs(rows, chosen, sampling.num_logprobs, sampling.scored_ids,
                                      result.errors)
@@ -79,15 +84,16 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int], num_logprobs,
 
 
 def sample(logits: torch.Tensor, params: SamplingBatch, generator: torch.Generator,
-           grammar_mask: np.ndarray | None = None) -> tuple[list[int | None], dict[int, str]]:
+           grammar_mask: np.ndarray | None = None,
+           scratch: bool = False) -> tuple[list[int | None], dict[int, str]]:
     """Next token per row of `logits` ([S, vocab], fp32), and the rows that failed.
 
     Rows with temperature 0 take the argmax. A seeded row draws from a generator seeded by its
     seed and output position, so its tokens do not depend on what else is in the batch.
+    `grammar_mask`: the bitmask of `params.grammar_rows`; `scratch`: `logits` may be
+    overwritten (else penalties, biases and masks apply to a copy).
     """
-    logits, errors = _constrained(logits, params)
-    if len(params.grammar_rows):
-        logits = apply_grammar_mask(logits, params.grammar_rows, grammar_mask)
+    logits, errors = _constrained(logits, params, grammar_mask, scratch)
     # The argmax picks a NaN where a row has one, so the chosen logits reveal the failed rows
     # without another pass over the vocabulary; -inf where nothing is allowed.
     chosen, tokens = _row_max(logits)
@@ -138,17 +144,20 @@ def _row_max(logits: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     return chosen.float().cpu().numpy(), tokens
 
 
-def _constrained(logits: torch.Tensor,
-                 params: SamplingBatch) -> tuple[torch.Tensor, dict[int, str]]:
-    """Logits after each row's penalties, biases and banned tokens (a copy, only if any
-    apply), and the rows whose own parameters made that fail (their logits become NaN, so
-    nothing is sampled from them)."""
+def _constrained(logits: torch.Tensor, params: SamplingBatch, grammar_mask: np.ndarray | None,
+                 scratch: bool) -> tuple[torch.Tensor, dict[int, str]]:
+    """Logits after each row's penalties, biases, banned tokens and grammar mask (a copy
+    unless `scratch`, only if any apply), and the rows whose own parameters made that fail
+    (their logits become NaN, so nothing is sampled from them)."""
     rows = [r for r in range(logits.shape[0])
             if params.penalties[r] or params.banned[r] or params.biases[r]]
     errors: dict[int, str] = {}
-    if not rows:
+    if not rows and not len(params.grammar_rows):
         return logits, errors
-    logits = logits.clone()
+    if not scratch:
+        logits = logits.clone()
+    if len(params.grammar_rows):
+        apply_grammar_mask(logits, params.grammar_rows, grammar_mask)
     for row in rows:
         try:
             if params.penalties[row] is not None:
@@ -165,17 +174,19 @@ def _constrained(logits: torch.Tensor,
     return logits, errors
 
 
-def apply_grammar_mask(logits: torch.Tensor, rows: np.ndarray,
-                       mask: np.ndarray) -> torch.Tensor:
-    """`logits` with the tokens each grammar row's bitmask excludes at -inf (a copy; bit t of
-    a row's int32 words, least significant first, allows token t)."""
+def apply_grammar_mask(logits: torch.Tensor, rows: np.ndarray, mask: np.ndarray) -> None:
+    """Set the tokens each grammar row's bitmask excludes to -inf, in place (bit t of a row's
+    int32 words, least significant first, allows token t). On CPU braid's operator, which
+    skips whole words of allowed tokens; elsewhere the unpacked mask (fast on a GPU)."""
+    index = torch.from_numpy(rows)
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and native.load():
+        torch.ops.braid.apply_token_bitmask(logits, index, torch.from_numpy(mask))
+        return
     allowed = np.unpackbits(np.ascontiguousarray(mask).view(np.uint8), axis=1,
-                            bitorder="little")[:, :logits.shape[1]].astype(bool)
-    index = torch.from_numpy(rows).to(logits.device)
-    logits = logits.clone()
-    logits[index] = logits[index].masked_fill(~torch.from_numpy(allowed).to(logits.device),
-                                              float("-inf"))
-    return logits
+                            bitorder="little")[:, :logits.shape[1]]
+    excluded = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    excluded[index.to(logits.device)] = torch.from_numpy(allowed == 0).to(logits.device)
+    logits.masked_fill_(excluded, float("-inf"))
 
 
 def _apply_penalty(logits: torch.Tensor, penalty: Penalty) -> None:
