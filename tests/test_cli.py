@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,28 @@ def test_more_ranks_than_cores_warns():
     result = braid("generate", "--tp", "3", "--temperature", "0", "--max-new-tokens", "2", "Hi")
     assert result.returncode == 0, result.stderr
     assert "warning: --tp 3 exceeds the 2 usable cores" in result.stderr
+
+
+@pytest.mark.parametrize("tp,constraint", [
+    (3, ["--regex", "[0-9]{3}-[a-z]{2,4}"]),
+    pytest.param(1, ["--json-schema", "SCHEMA"], marks=pytest.mark.slow),
+])
+def test_generate_with_a_constraint(tp, constraint, tmp_path: Path):
+    """--regex and --json-schema, at every tp (only rank 0 samples, so only it is sent the
+    grammar's bitmask)."""
+    schema = {"type": "object", "properties": {"code": {"type": "integer", "maximum": 999}},
+              "required": ["code"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    constraint = [str(tmp_path / "schema.json") if c == "SCHEMA" else c for c in constraint]
+    result = braid("generate", "--tp", str(tp), "--temperature", "1", "--seed", "4",
+                   "--max-new-tokens", "30", "--json", *constraint, "Code:", "Another code:")
+    assert result.returncode == 0, result.stderr
+    for line in result.stdout.splitlines():
+        text = json.loads(line)["text"]
+        if constraint[0] == "--regex":
+            assert re.fullmatch(constraint[1], text), text
+        else:
+            assert set(json.loads(text)) == {"code"}, text
 
 
 def test_checkpoint_missing_a_weight_fails_naming_it(safetensors_folder, tmp_path: Path):

@@ -250,6 +250,18 @@ def test_json_object_and_sglang_fields(server):
     assert {c["text"] for c in ebnf["choices"]} <= {"ab!", "cd!"}
 
 
+def test_a_constraint_with_logprobs_and_a_stop_string(server):
+    response = completion(server, {"regex": "[a-z]{3}-[0-9]{3}", "stop": ["-"], "logprobs": 2,
+                                   "n": 2, "temperature": 1.0, "seed": 9, "max_tokens": 20})
+    assert response.status_code == 200, response.text
+    for choice in response.json()["choices"]:
+        assert re.fullmatch("[a-z]{3}", choice["text"]), choice["text"]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", "-")
+        logprobs = choice["logprobs"]
+        assert logprobs["tokens"] and all(len(top) <= 3 for top in logprobs["top_logprobs"])
+        assert all(lp <= 0 for lp in logprobs["token_logprobs"])
+
+
 def test_streamed_regex_completion(server):
     pieces = []
     with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=300,
