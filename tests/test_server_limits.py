@@ -133,12 +133,12 @@ def test_a_lone_surrogate_prompt_is_400(server):
 
 def test_fields_braid_does_not_implement_are_refused_by_name(server):
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    assert_error(post(server, "/v1/completions", {"prompt": "hi", "response_format": {
-        "type": "json_object"}}), 400, "response_format")
-    assert_error(post(server, "/v1/chat/completions", {**chat, "tools": [{
-        "type": "function", "function": {"name": "f"}}]}), 400, "tools")
-    assert_error(post(server, "/v1/completions", {"prompt": "hi", "guided_regex": "a+"}),
-                 400, "guided_regex")
+    assert_error(post(server, "/v1/completions", {"prompt": "hi", "suffix": "end"}), 400,
+                 "suffix")
+    assert_error(post(server, "/v1/chat/completions", {**chat, "functions": [{"name": "f"}]}),
+                 400, "functions")
+    assert_error(post(server, "/v1/completions", {"prompt": "hi", "bad_words": ["a"]}),
+                 400, "bad_words")
     for part in ({"type": "text", "text": 5}, {"type": "image_url", "image_url": {"url": "x"}}):
         assert_error(post(server, "/v1/chat/completions", {**chat, "messages": [
             {"role": "user", "content": [part]}]}), 400, "messages")  # was a 500, and ignored

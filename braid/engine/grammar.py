@@ -74,7 +74,8 @@ class StructuredOutputs:
                 grammar = grammar_from("choice", list(self.choice))
             else:
                 grammar = grammar_from(kind, getattr(self, kind))
-        except ValueError as e:  # json.JSONDecodeError too
+        except Exception as e:  # noqa: BLE001 - ValueError mostly; whatever it is, the
+            # constraint's own fault: the request fails, not the server
             raise UserError(f"{self.source}: invalid {kind}: {e}", self.source) from None
         failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
         if failed:
