@@ -5,7 +5,8 @@ into `torch.ops.braid`:
   call from inductor's C++ wrapper like any other operator;
 - decode and prefill attention over the paged KV cache, the one-row GEMV, RMSNorm and the
   oneDNN linear over packed weights (`braid.layers.decode_kernel`, `braid.layers.quant`,
-  `braid.layers.fused`).
+  `braid.layers.fused`);
+- grammar bitmasks applied to logits (`token_bitmask.cpp`: `braid.engine.sampler`).
 
 The library is compiled with the host's compiler for the host's vector ISA (as inductor builds
 its kernels), on first use, with a progress line: about a minute on 2 cores. It is kept under

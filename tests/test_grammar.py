@@ -15,7 +15,7 @@ from braid.config import UserError
 from braid.engine.grammar import Grammars, StructuredOutputs, accept_token, closed_objects
 from braid.engine.plan import sampling_batch
 from braid.engine.request import SamplingParams, Sequence
-from braid.engine.sampler import sample
+from braid.engine.sampler import apply_grammar_mask, sample
 
 DIGITS = r"[0-9]{3}-[0-9]{2,5}"
 
@@ -47,16 +47,19 @@ def test_objects_without_a_rule_for_other_keys_take_none():
         "properties": {"type": "object", "properties": {"a": {"type": "integer"}}},
         "open": {"type": "object", "properties": {}, "additionalProperties": True},
         "list": {"type": "array", "items": {"$ref": "#/$defs/item"}},
-        "either": {"anyOf": [{"type": "object", "properties": {"b": {}}}, {"type": "null"}]}},
+        "either": {"anyOf": [{"type": "object", "properties": {"b": {}}}, {"type": "null"}]},
+        "both": {"allOf": [{"properties": {"d": {}}}, {"properties": {"e": {}}}]}},
         "$defs": {"item": {"type": "object", "properties": {"c": {}}}}}
     closed = closed_objects(schema)
     props = closed["properties"]
     assert closed["additionalProperties"] is False
-    assert set(props) == {"properties", "open", "list", "either"}  # a key named "properties"
+    assert set(props) == {"properties", "open", "list", "either", "both"}  # a key "properties"
     assert props["properties"]["additionalProperties"] is False
     assert props["open"]["additionalProperties"] is True  # an explicit rule is kept
     assert props["either"]["anyOf"][0]["additionalProperties"] is False
     assert closed["$defs"]["item"]["additionalProperties"] is False
+    # allOf's branches describe one object together: closing one would refuse the other's keys
+    assert props["both"] == schema["properties"]["both"]
     assert "additionalProperties" not in schema  # the request's own schema is not changed
 
 
@@ -88,6 +91,29 @@ def test_masked_sampling_only_makes_what_the_grammar_allows(grammars, tokenizer,
     choice = decode_randomly(grammars, tokenizer,
                              StructuredOutputs(choice=["red", "green", "blue sky"]), seed)
     assert choice in ("red", "green", "blue sky")
+
+
+@pytest.mark.parametrize("vocab", [64, 1000, 49152])
+def test_the_mask_operator_agrees_with_the_unpacked_mask(vocab):
+    """braid's operator (contiguous fp32 on CPU) and the path other devices take (here: made
+    to take it with a strided view), on mixed, empty and full words and a vocabulary that is
+    not a multiple of 32."""
+    rng = np.random.default_rng(vocab)
+    words = -(-vocab // 32)
+    mask = rng.integers(-2**31, 2**31, size=(3, words), dtype=np.int64).astype(np.int32)
+    mask[0, ::3], mask[1, 1::3] = 0, -1
+    rows = np.array([0, 2, 3])
+    logits = torch.randn(5, vocab)
+    allowed = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    expected = logits.clone()
+    expected[torch.from_numpy(rows)] = torch.where(torch.from_numpy(allowed.astype(bool)),
+                                                   logits[torch.from_numpy(rows)],
+                                                   float("-inf"))
+    native = logits.clone()
+    apply_grammar_mask(native, rows, mask)
+    strided = logits.t().contiguous().t()
+    apply_grammar_mask(strided, rows, mask)
+    assert torch.equal(native, expected) and torch.equal(strided, expected)
 
 
 def test_a_row_the_mask_leaves_nothing_fails_alone(grammars):

@@ -245,8 +245,11 @@ class EngineCore:
         self.executor.close()
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise `UserError` if a request can never run (see `check_request`)."""
+        """Raise `UserError` if a request can never run (see `check_request`) or its
+        grammar does not compile for this model (compiled once, kept for `add`)."""
         check_request(prompt_ids, params, self.model_config, self.blocks.capacity_tokens)
+        if params.structured is not None:
+            self.grammars.matcher(params.structured)
 
     def add(self, request: Request) -> None:
         """Queue a request's `n` sequences; `UserError` if it can never run. With the prefix

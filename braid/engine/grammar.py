@@ -12,6 +12,7 @@ bitmask while the ranks run the forward step; rank 0 applies it before sampling 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -74,20 +75,20 @@ class StructuredOutputs:
                 grammar = grammar_from("choice", list(self.choice))
             else:
                 grammar = grammar_from(kind, getattr(self, kind))
+            failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+            if failed:
+                raise ValueError((messages or ["rejected"])[0].strip())
         except Exception as e:  # noqa: BLE001 - ValueError mostly; whatever it is, the
             # constraint's own fault: the request fails, not the server
             raise UserError(f"{self.source}: invalid {kind}: {e}", self.source) from None
-        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-        if failed:
-            raise UserError(f"{self.source}: invalid {kind}: {messages[0].strip()}",
-                            self.source)
         return grammar
 
 
-# Keywords whose value is a subschema, a list of them, or a map of names to them
-_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
-              "propertyNames", "unevaluatedProperties", "unevaluatedItems")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+# Keywords whose value is a subschema, a list of them, or a map of names to them. Not allOf:
+# its branches describe one object together, and closing each would refuse the others' keys.
+_SUBSCHEMA = ("additionalProperties", "additionalItems", "items", "not", "if", "then", "else",
+              "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
                    "dependentSchemas")
 
@@ -100,7 +101,8 @@ def closed_objects(schema):
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+    if (isinstance(out.get("properties"), dict) and "additionalProperties" not in out
+            and "unevaluatedProperties" not in out and "allOf" not in out):
         out["additionalProperties"] = False
     for key in _SUBSCHEMA:
         if isinstance(out.get(key), dict):
@@ -129,8 +131,8 @@ class Grammars:
     first), one matcher per constrained sequence, and the token bitmask of a step.
 
     `load_tokenizer` gives the model's Hugging Face tokenizer; it is called (and converted for
-    llguidance, about a second) at the first constrained request, so engines that never see one
-    never pay for it.
+    llguidance: docs/benchmarks.md, "Structured outputs") at the first constrained request, so
+    engines that never see one never pay for it.
     """
 
     def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int,
@@ -141,18 +143,26 @@ class Grammars:
         self.words = (vocab_size + 31) // 32  # int32 words of one row's bitmask
         self._tokenizer = None
         self._executor = None
+        self._lock = threading.Lock()  # the tokenizer is converted once, maybe in a thread
         self._compiled: OrderedDict[str, object] = OrderedDict()
         self.times = GrammarTimes()
 
-    def _llg_tokenizer(self):
-        if self._tokenizer is None:
-            import llguidance
-            import llguidance.hf
+    def prepare_in_background(self) -> None:
+        """Convert the tokenizer in a thread now (a server: the first constrained request
+        then does not stall the running sequences' steps)."""
+        threading.Thread(target=self._llg_tokenizer, name="braid-grammar-tokenizer",
+                         daemon=True).start()
 
-            hf = self._load_tokenizer()
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                hf, n_vocab=self.vocab_size, eos_token=sorted(self._eos_token_ids(hf)))
-            self._executor = llguidance.LLExecutor()
+    def _llg_tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance
+                import llguidance.hf
+
+                hf = self._load_tokenizer()
+                self._executor = llguidance.LLExecutor()
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    hf, n_vocab=self.vocab_size, eos_token=sorted(self._eos_token_ids(hf)))
         return self._tokenizer
 
     def matcher(self, structured: StructuredOutputs):

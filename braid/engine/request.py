@@ -41,11 +41,12 @@ class SamplingParams:
     `logprob_token_ids`: the logprobs of these tokens at every generated position, whatever
     their rank (SGLang's `token_ids_logprob`: how a multiple-choice evaluator reads the
     likelihood of each answer letter).
-    Logprobs are the model's own (log-softmax of the raw logits, before penalties, biases and
-    temperature). `logit_bias` adds to a token's logit before sampling (OpenAI's, in
-    [-100, 100]); `cache_salt` keeps a tenant's prompts out of other tenants' prefix-cache
-    blocks (vLLM's). `stop` strings end a completion, and are cut from its text, by whichever
-    front end detokenizes (`LLM`, the server).
+    Logprobs are the model's own (log-softmax of the raw logits, before penalties, biases,
+    grammar masks and temperature). `structured` constrains the output (`StructuredOutputs`:
+    a JSON schema, a regex, a choice or a grammar). `logit_bias` adds to a token's logit
+    before sampling (OpenAI's, in [-100, 100]); `cache_salt` keeps a tenant's prompts out of
+    other tenants' prefix-cache blocks (vLLM's). `stop` strings end a completion, and are cut
+    from its text, by whichever front end detokenizes (`LLM`, the server).
     """
 
     max_new_tokens: int = 128

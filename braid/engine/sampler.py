@@ -179,7 +179,8 @@ def apply_grammar_mask(logits: torch.Tensor, rows: np.ndarray, mask: np.ndarray)
     int32 words, least significant first, allows token t). On CPU braid's operator, which
     skips whole words of allowed tokens; elsewhere the unpacked mask (fast on a GPU)."""
     index = torch.from_numpy(rows)
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and native.load():
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.is_contiguous() and native.load()):
         torch.ops.braid.apply_token_bitmask(logits, index, torch.from_numpy(mask))
         return
     allowed = np.unpackbits(np.ascontiguousarray(mask).view(np.uint8), axis=1,

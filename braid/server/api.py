@@ -35,7 +35,6 @@ from braid.server.protocol import (
     DetokenizeRequest,
     RequestLimits,
     TokenizeRequest,
-    Tool,
     bounded_models,
     error_body,
     unsupported_field,
@@ -208,7 +207,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         check_capacity(body.n)
         tools = _tool_output(body, ctx.tool_parser)
         ids = _chat_prompt(ctx.tokenizer, body.messages,
-                           body.tools if tools.mode != "none" else None)
+                           body.tool_dicts() if tools.mode != "none" else None)
         max_tokens = body.max_completion_tokens or body.max_tokens or _room(ctx, len(ids))
         top = body.top_logprobs
         if top is not None and not body.logprobs:
@@ -328,11 +327,11 @@ def _tool_output(body: ChatCompletionRequest, parser: ToolCallParser | None) -> 
                             "--tool-call-parser (and --chat-template), or send tool_choice "
                             "required, none or a named function", "tool_choice")
     name = body.tool_choice.function.name if mode == "named" else None
-    return ToolOutput(mode, parser, name)
+    return ToolOutput(mode, parser, name, single=body.parallel_tool_calls is False)
 
 
 def _chat_prompt(tokenizer, messages: list[ChatMessage],
-                 tools: list[Tool] | None = None) -> list[int]:
+                 tools: list[dict] | None = None) -> list[int]:
     """Token ids of a conversation (and the tools it offers) through the model's chat
     template."""
     if not getattr(tokenizer, "chat_template", None):
@@ -345,8 +344,7 @@ def _chat_prompt(tokenizer, messages: list[ChatMessage],
         conversation.append(entry)
     try:
         ids = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True,
-            tools=[tool.model_dump(exclude_none=True) for tool in tools] if tools else None)
+            conversation, add_generation_prompt=True, tokenize=True, tools=tools or None)
     except Exception as e:  # noqa: BLE001 - a template's own complaint about the messages
         raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from e
     if hasattr(ids, "keys"):

@@ -17,11 +17,12 @@ from braid.server.tool_calls import (
 
 class ToolOutput:
     """A chat request's rule for reading its choices' text (`ChatCompletionRequest.tool_mode`
-    and, for "auto", the server's parser; "named": `function` is the forced one)."""
+    and, for "auto", the server's parser; "named": `function` is the forced one; `single`:
+    `parallel_tool_calls` false, so "auto" keeps the first call only)."""
 
     def __init__(self, mode: str, parser: ToolCallParser | None = None,
-                 function: str | None = None) -> None:
-        self.mode, self.parser, self.function = mode, parser, function
+                 function: str | None = None, single: bool = False) -> None:
+        self.mode, self.parser, self.function, self.single = mode, parser, function, single
 
     def message(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The whole text's content and tool calls."""
@@ -31,8 +32,14 @@ class ToolOutput:
             calls = calls_from_required_output(text)
             return (None, calls) if calls else (text, [])
         if self.mode == "auto" and self.parser is not None:
-            return self.parser.parse(text)
+            content, calls = self.parser.parse(text)
+            return content, calls[:1] if self.single else calls
         return text, []
+
+    def finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """OpenAI's "tool_calls" for a choice that ended in calls it chose to make (a named
+        function's call ends with "stop", as OpenAI's does)."""
+        return "tool_calls" if called and reason == "stop" and self.mode != "named" else reason
 
     def choice(self) -> ChoiceTools:
         """A streamed choice's reader."""
@@ -51,6 +58,8 @@ class ChoiceTools:
                         else None)
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
+        """A piece of the choice's text: the content to emit now and `delta.tool_calls`
+        entries."""
         mode = self.output.mode
         if mode == "named":  # the arguments stream as they are generated
             if not text:
@@ -81,6 +90,8 @@ class ChoiceTools:
 
     def _entries(self, calls: list[ToolCall]) -> list[dict]:
         entries = []
+        if self.output.single:
+            calls = calls[:max(0, 1 - self.num_calls)]
         for call in calls:
             entries.append({"index": self.num_calls, **call.to_openai()})
             self.num_calls += 1

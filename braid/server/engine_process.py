@@ -44,6 +44,7 @@ def engine_process_main(config: EngineConfig, conn: Connection) -> None:
         conn.send(("fatal", _describe(e)))
         core.close()
         sys.exit(1)
+    core.grammars.prepare_in_background()
     conn.send(("ready", None))
     try:
         serve(core, conn)

@@ -200,6 +200,8 @@ class ChatMessage(OpenAIModel):
 
 
 class FunctionDefinition(OpenAIModel):
+    """A function the model may call: its name, what it does, its arguments' JSON schema."""
+
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -207,15 +209,21 @@ class FunctionDefinition(OpenAIModel):
 
 
 class Tool(OpenAIModel):
+    """An entry of `tools` (OpenAI's: functions only)."""
+
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
 class FunctionName(OpenAIModel):
+    """The function a named `tool_choice` forces."""
+
     name: str
 
 
 class NamedToolChoice(OpenAIModel):
+    """`tool_choice` naming one function: the output is a call of it."""
+
     type: Literal["function"] = "function"
     function: FunctionName
 
@@ -235,9 +243,13 @@ class ChatCompletionRequest(SamplingFields):
 
     @property
     def tool_mode(self) -> str:
-        """"none", "auto", "required" or "named" (`tool_choice` with its default)."""
-        choice = self.tool_choice or ("auto" if self.tools else "none")
-        return "named" if isinstance(choice, NamedToolChoice) else choice
+        """"none", "auto", "required" or "named" (`tool_choice` with its default: "auto"
+        with tools, "none" without, as without tools "auto" can call none)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        if self.tool_choice in (None, "auto"):
+            return "auto" if self.tools else "none"
+        return self.tool_choice
 
     def structured(self) -> StructuredOutputs | None:
         """As for completions, plus the constraint of `tool_choice` "required" or a named
@@ -251,13 +263,18 @@ class ChatCompletionRequest(SamplingFields):
         if constraint is not None:
             raise UserError(f"tool_choice {mode!r} constrains the output already: leave out "
                             f"{constraint.source}", constraint.source)
-        tools = [tool.model_dump(exclude_none=True) for tool in self.tools]
         try:
-            schema = (named_tool_schema(tools, self.tool_choice.function.name)
-                      if mode == "named" else required_tools_schema(tools))
-        except ValueError as e:
+            schema = (named_tool_schema(self.tool_dicts(), self.tool_choice.function.name)
+                      if mode == "named" else required_tools_schema(self.tool_dicts()))
+        except Exception as e:  # noqa: BLE001 - ValueError mostly: the tools' own fault
             raise UserError(f"tool_choice: {e}", "tool_choice") from None
+        if mode == "required" and self.parallel_tool_calls is False:
+            schema["maxItems"] = 1
         return StructuredOutputs(json=schema, source="tools")
+
+    def tool_dicts(self) -> list[dict]:
+        """`tools` as the chat template and the tool-call schemas take them."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
 
 
 class TokenizeRequest(OpenAIModel):

@@ -216,7 +216,7 @@ class ChatResponder(_Responder):
             choices.append({
                 "index": state.index, "message": message,
                 "logprobs": self._logprobs(state.logprobs) if self.request.logprobs else None,
-                "finish_reason": _finish_reason(state.finish_reason, bool(calls)),
+                "finish_reason": self.tools.finish_reason(state.finish_reason, bool(calls)),
                 "stop_reason": state.stop_reason})
         return self.envelope(choices, usage=self.usage())
 
@@ -249,7 +249,7 @@ class ChatResponder(_Responder):
             yield self.envelope([{
                 "index": index, "delta": delta,
                 "logprobs": self._logprobs(entries) if self.request.logprobs else None,
-                "finish_reason": _finish_reason(finish, choices[index].num_calls > 0),
+                "finish_reason": self.tools.finish_reason(finish, choices[index].num_calls > 0),
                 "stop_reason": event.state.stop_reason if finish else None}])
         if self.include_usage():
             yield self.envelope([], usage=self.usage())
@@ -262,8 +262,3 @@ class ChatResponder(_Responder):
         return {"content": [
             {**item(e.token_id, e.logprob),
              "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
-
-
-def _finish_reason(reason: str | None, called: bool) -> str | None:
-    """OpenAI's "tool_calls" for a choice that ended in calls."""
-    return "tool_calls" if called and reason == "stop" else reason

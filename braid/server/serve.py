@@ -101,9 +101,8 @@ def run_server(config: EngineConfig, settings: ServeSettings) -> int:
             eos_token_ids=eos_token_ids(model_config, tokenizer), metrics=metrics,
             api_key=settings.api_key, api_key_all_routes=settings.api_key_all_routes,
             limits=settings.limits, report_cached_tokens=settings.report_cached_tokens,
-            tool_parser=(None if settings.tool_call_parser == "none" else
-                         parser_for(settings.tool_call_parser,
-                                    getattr(tokenizer, "chat_template", None))),
+            tool_parser=parser_for(settings.tool_call_parser,
+                                   getattr(tokenizer, "chat_template", None)),
             created=int(time.time()))
         metrics.queued.set_function(lambda: engine.queued_sequences)
         server = _Server(uvicorn.Config(build_app(ctx), host=settings.host, port=settings.port,

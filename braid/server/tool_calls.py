@@ -307,10 +307,12 @@ TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
 
 def parser_for(name: str | None, chat_template: str | None) -> ToolCallParser | None:
     """The parser named by `--tool-call-parser`; `auto` or None picks one from the chat
-    template's text (None when it shows no known format)."""
+    template's text (None when it shows no known format); `none`: None."""
+    if name == "none":
+        return None
     if name not in (None, "auto"):
         if name not in TOOL_CALL_PARSERS:
-            known = ", ".join(["auto", *sorted(TOOL_CALL_PARSERS)])
+            known = ", ".join(["auto", "none", *sorted(TOOL_CALL_PARSERS)])
             raise ValueError(f"unknown --tool-call-parser {name!r}; known: {known}")
         return TOOL_CALL_PARSERS[name]()
     template = chat_template or ""
@@ -328,9 +330,11 @@ def _functions(tools: list[dict]) -> list[dict]:
 
 
 def _parameters(function: dict) -> dict:
-    """A function's arguments schema; OpenAI reads a missing one as "no arguments"."""
+    """A function's arguments schema, always of an object (OpenAI reads a missing one as "no
+    arguments")."""
     parameters = function.get("parameters")
-    return {"type": "object", "properties": {}} if parameters is None else parameters
+    return {"type": "object", "properties": {}} if parameters is None else \
+        {"type": "object", **parameters}
 
 
 def named_tool_schema(tools: list[dict], name: str) -> dict:
@@ -352,8 +356,11 @@ def required_tools_schema(tools: list[dict]) -> dict:
     shapes = []
     defs: dict[str, dict] = {}
     for function in functions:
-        parameters = dict(_parameters(function))
-        for key, schema in parameters.pop("$defs", {}).items():
+        parameters = _parameters(function)
+        function_defs = parameters.pop("$defs", {})
+        if not isinstance(function_defs, dict):
+            raise ValueError(f"the $defs of function {function['name']!r} must be an object")
+        for key, schema in function_defs.items():
             if defs.setdefault(key, schema) != schema:
                 raise ValueError(f"tools define $defs {key!r} differently; rename one of them")
         shapes.append({
