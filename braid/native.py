@@ -83,7 +83,17 @@ def _build(announce: bool) -> None:
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     folder = build_dir()
-    fresh = not (folder / f"{_NAME}.so").exists()
+    library = folder / f"{_NAME}.so"
+    if library.exists():
+        # The folder's name keys torch, the ISA, the sources and the flags, so a library there
+        # is this one: loaded without asking ninja, which rebuilt a whole warm library (two
+        # minutes) for some processes of a test session.
+        try:
+            torch.ops.load_library(str(library))
+            return
+        except OSError:  # a build cut short: build it again
+            pass
+    fresh = not library.exists()
     if fresh and announce:
         print(f"braid: building the C++ operators for this CPU into {folder} (once; about a "
               "minute on 2 cores)", file=sys.stderr, flush=True)

@@ -211,7 +211,7 @@ def test_parser_for() -> None:
     assert isinstance(parser_for("auto", llama32), Llama3JsonParser)
     assert parser_for(None, "{{ messages }}") is None and parser_for("auto", None) is None
     assert isinstance(parser_for("hermes", None), HermesParser)
-    with pytest.raises(ValueError, match="'mistral'.*auto, deepseek_v3, hermes, llama3_json"):
+    with pytest.raises(ValueError, match="'mistral'.*auto, none, deepseek_v3, hermes, llama3_json"):
         parser_for("mistral", qwen)
 
 
