@@ -282,3 +282,11 @@ def test_calls_from_required_output() -> None:
     assert len({call.id for call in calls}) == 2
     for cut_or_wrong in [output[:30], '{"name": "a"}', '[{"parameters": {}}]']:
         assert calls_from_required_output(cut_or_wrong) == []
+
+
+def test_defs_that_are_not_an_object_are_refused():
+    """A request's `$defs` must be a map of schemas (a list was a 500 through the server)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "$defs": [1]}}}]
+    with pytest.raises(ValueError, match="'f' must be an object"):
+        required_tools_schema(tools)
