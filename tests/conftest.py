@@ -157,6 +157,21 @@ CHAT_TEMPLATE_WITH_TOOLS = Path(__file__).parent.parent / "examples" / "chatml_t
 
 
 @pytest.fixture(scope="session")
+def client(server):
+    """The official `openai` client of the shared `server`."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0,
+                         timeout=300)
+
+
+@pytest.fixture(scope="session")
+def model(client) -> str:
+    """The name the shared `server` serves its model under."""
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """One `braid serve --tp 2 --api-key API_KEY --chat-template CHAT_TEMPLATE_WITH_TOOLS` for
     every test of the API (eager steps).

@@ -23,17 +23,6 @@ from braid.cache import cache_root
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,"]
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0,
-                         timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def metric(server, name: str) -> float:
     text = httpx.get(f"{server.base_url}/metrics").text
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)

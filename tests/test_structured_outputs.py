@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import httpx
-import openai
 import pytest
 from conftest import API_KEY as KEY
 from pydantic import BaseModel, Field
@@ -146,17 +145,6 @@ SCHEMAS: list[tuple[type[BaseModel], str]] = [
 ]
 SCHEMAS.append((Person, "a person who is 70"))  # 20: the same model, another prompt
 MODES = [(temperature, stream) for temperature in (0.0, 0.8) for stream in (False, True)]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0,
-                         timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def parse(client, model, schema: type[BaseModel], description: str, temperature: float,
