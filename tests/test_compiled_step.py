@@ -11,7 +11,6 @@ import torch
 from braid.config import cpu_flags, load_model_config
 from braid.distributed.comm import SkipCommunicator
 from braid.engine import compiled_step
-from braid.engine.batch import ForwardBatch
 from braid.engine.compiled_step import (
     WARM_UP_ROWS,
     CompiledDecodeStep,
@@ -20,6 +19,7 @@ from braid.engine.compiled_step import (
     compile_applies,
     warm_up_plans,
 )
+from braid.layers.forward_batch import ForwardBatch
 from braid.layers.quant import Quantizable
 from braid.models.registry import model_class
 from braid.overlap.operations import YIELD
@@ -96,7 +96,7 @@ def test_without_the_cache_decode_graphs_are_compiled_and_never_saved(tiny_model
 def test_decode_block_tables_are_never_narrower_than_the_traced_width():
     """A 3-token sequence's decode step is padded to DECODE_MIN_BLOCKS blocks (masked), so the
     compiled graph's symbolic width serves it instead of compiling a graph for width 1."""
-    from braid.engine.batch import DECODE_MIN_BLOCKS
+    from braid.layers.forward_batch import DECODE_MIN_BLOCKS
 
     plan = warm_up_plans(16)[False]
     plan.kv_lens[:] = 3

@@ -47,9 +47,10 @@ from torch import nn
 
 from braid.cache import cache_root, code_version
 from braid.config import EngineConfig, isa_flags
-from braid.engine.batch import DECODE_MIN_BLOCKS, ForwardBatch, StepPlan
+from braid.engine.batch import StepPlan
 from braid.layers import decode_kernel
 from braid.layers.attention import PagedAttention
+from braid.layers.forward_batch import DECODE_MIN_BLOCKS, ForwardBatch
 from braid.layers.quant import Quantizable
 from braid.overlap.operations import YIELD, execute, is_between_pieces, split_stages
 

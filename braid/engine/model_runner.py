@@ -12,7 +12,7 @@ import torch
 
 from braid.config import EngineConfig, ModelConfig
 from braid.distributed.comm import SwitchableCommunicator
-from braid.engine.batch import ForwardBatch, StepPlan, StepResult
+from braid.engine.batch import StepPlan, StepResult
 from braid.engine.compiled_step import (
     CompiledDecodeStep,
     CompiledPieces,
@@ -29,6 +29,7 @@ from braid.engine.compiled_step import (
 )
 from braid.engine.kv_cache import num_kv_blocks
 from braid.engine.sampler import postprocess
+from braid.layers.forward_batch import ForwardBatch
 from braid.layers.fused import configure_compile
 from braid.layers.quant import PACKED_MAX_ROWS, pack_linear_layers, quantize_linear_layers
 from braid.loader.weights import load_weights, with_progress

@@ -8,7 +8,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from braid.engine.batch import AttentionMetadata, ForwardBatch
 from braid.layers import kv_layout
 from braid.layers.attention_ops import (
     batched_causal_attention,
@@ -23,6 +22,7 @@ from braid.layers.decode_kernel import (
     paged_decode_attention,
     pairs_fit,
 )
+from braid.layers.forward_batch import AttentionMetadata, ForwardBatch
 
 
 class PagedAttention(nn.Module):

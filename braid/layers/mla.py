@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from braid.engine.batch import AttentionMetadata, ForwardBatch
 from braid.layers.attention import concat_groups, gather_blocks, row_scales, write_cache
 from braid.layers.attention_ops import causal_attention, decode_attention, prefix_causal_mask
+from braid.layers.forward_batch import AttentionMetadata, ForwardBatch
 
 
 class LatentAttention(nn.Module):

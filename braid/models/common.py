@@ -14,8 +14,8 @@ from torch import nn
 
 from braid.config import ModelConfig
 from braid.distributed.comm import Communicator
-from braid.engine.batch import ForwardBatch
 from braid.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from braid.layers.forward_batch import ForwardBatch
 from braid.layers.norm import RMSNorm
 from braid.overlap.operations import State, between_pieces
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from braid.config import ModelConfig, UserError, rope_kind
 from braid.distributed.comm import Communicator, Pending
-from braid.engine.batch import ForwardBatch
+from braid.layers.forward_batch import ForwardBatch
 from braid.layers.linear import ColumnParallelLinear, DataParallelLinear, RowParallelLinear
 from braid.layers.mla import LatentAttention
 from braid.layers.mlp import GATE_UP_STACKED, GatedMLP

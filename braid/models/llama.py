@@ -7,8 +7,8 @@ from torch import nn
 
 from braid.config import ModelConfig
 from braid.distributed.comm import Communicator
-from braid.engine.batch import ForwardBatch
 from braid.layers.attention import PagedAttention
+from braid.layers.forward_batch import ForwardBatch
 from braid.layers.linear import QKVParallelLinear, RowParallelLinear
 from braid.layers.mlp import GATE_UP_STACKED, GatedMLP
 from braid.layers.partition import partition_heads, split_sizes
