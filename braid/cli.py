@@ -509,7 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rand.add_argument("--arch", choices=ARCHS, required=True)
     rand.add_argument("--preset", choices=PRESETS, default="tiny",
-                      help="tiny: test-sized, uneven splits; bench: DeepSeek-V2-Lite-like widths")
+                      help="tiny: test-sized, uneven head and expert splits, sliding windows; "
+                           "bench: 4 layers at a ~1B model's widths (DeepSeek: V2-Lite's)")
     rand.add_argument("--seed", type=int, default=0)
     rand.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                       help="stored dtype (default: fp32 for tiny, bf16 for bench)")

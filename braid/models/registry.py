@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from braid.config import ModelConfig, UserError
+from braid.models.config_fields import check_config_fields
 from braid.models.deepseek_v2 import DeepseekV2ForCausalLM
 from braid.models.llama import LlamaForCausalLM
 
@@ -17,9 +18,12 @@ MODELS: dict[str, type[nn.Module]] = {
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
-    """The class for `config.architecture`, or a `UserError` listing what is supported."""
+    """The class for `config.architecture`, or a `UserError` listing what is supported or
+    naming a config field whose value braid does not compute (`check_config_fields`)."""
     try:
-        return MODELS[config.architecture]
+        cls = MODELS[config.architecture]
     except KeyError:
         raise UserError(f"architecture {config.architecture!r} is not supported "
                         f"(supported: {', '.join(sorted(MODELS))})") from None
+    check_config_fields(config.architecture, config.extra)
+    return cls
