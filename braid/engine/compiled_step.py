@@ -51,6 +51,7 @@ from braid.engine.batch import StepPlan
 from braid.layers import decode_kernel
 from braid.layers.attention import PagedAttention
 from braid.layers.forward_batch import DECODE_MIN_BLOCKS, ForwardBatch
+from braid.layers.moe import RoutedExperts
 from braid.layers.quant import Quantizable
 from braid.overlap.operations import YIELD, execute, is_between_pieces, split_stages
 
@@ -147,12 +148,15 @@ def eager_decode_reads_kernel(engine: EngineConfig, model: nn.Module) -> bool:
 
 def compile_applies(device: str, model: nn.Module) -> str | None:
     """None where compiled steps can run this model here, else why not: on CPU (CUDA steps run
-    eager), with every attention layer a `PagedAttention` (DeepSeek's MLA and MoE stay eager:
-    its experts' token routing gives data-dependent shapes, which graphs do not hold)."""
+    eager), with every attention layer a `PagedAttention` (DeepSeek's MLA stays eager) and no
+    routed experts (Qwen3-MoE, Mixtral, DeepSeek: each expert's share of the tokens is a
+    data-dependent shape, which graphs do not hold)."""
     if device != "cpu":
         return "compiled steps are built for CPU ranks"
     if not all(isinstance(a, PagedAttention) for a in model.attention_layers()):
         return f"{type(model).__name__}'s attention is not compiled"
+    if any(isinstance(m, RoutedExperts) for m in model.modules()):
+        return f"{type(model).__name__}'s routed experts are not compiled"
     return None
 
 

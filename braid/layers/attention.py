@@ -15,6 +15,7 @@ from braid.layers.attention_ops import (
     blocked_prefill_is_faster,
     causal_attention,
     decode_attention,
+    sliding_key_mask,
     traced_decode_attention,
 )
 from braid.layers.decode_kernel import (
@@ -38,10 +39,17 @@ class PagedAttention(nn.Module):
 
     `runs` (`HeadShard.runs()`) lists the rank's head ranges that are each uniformly grouped
     (a rank holding part of a KV head's query group); by default all heads form one.
+
+    `window`: a sliding-window layer's queries see only the last `window` keys, their own
+    included (Mistral, Gemma 3's local layers). Where a group's sequences are longer than
+    that, it attends through masks (`AttentionMetadata.windowed`): SDPA, or the traced decode
+    kernel in a compiled step, not the C++ operators, which attend causally over every key.
+    `scale`: the softmax scale, head_dim ** -0.5 unless the model says otherwise.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 runs: list[tuple[int, int, int, int]] | None = None) -> None:
+                 runs: list[tuple[int, int, int, int]] | None = None, *,
+                 window: int | None = None, scale: float | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -51,7 +59,8 @@ class PagedAttention(nn.Module):
         # buffers, so that they follow the model to its device
         self.register_buffer("decode_padded", padded, persistent=False)
         self.register_buffer("decode_kept", kept, persistent=False)
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.window = window
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.k_scales: torch.Tensor | None = None
@@ -109,10 +118,13 @@ class PagedAttention(nn.Module):
         if torch.compiler.is_compiling():
             # A decode step traced whole (braid.engine.compiled_step).
             meta = batch.attn_groups[0].meta
-            if self.use_decode_kernel:
+            if self.use_decode_kernel and self.window is None:
                 return self._decode_kernel(q, meta).flatten(1)
+            key_mask = meta.key_mask
+            if self.window is not None:
+                key_mask = sliding_key_mask(key_mask, meta.seq_lens, self.window)
             return padded_decode(traced_decode_attention, q, self.k_cache, self.v_cache,
-                                 meta.block_tables, meta.key_mask, self.scale, self.k_scales,
+                                 meta.block_tables, key_mask, self.scale, self.k_scales,
                                  self.v_scales, padded=self.decode_padded,
                                  kept=self.decode_kept).flatten(1)
         return concat_groups([self._attend(q[g.tokens], k[g.tokens], v[g.tokens], g.meta)
@@ -121,7 +133,11 @@ class PagedAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """One group of sequences (see `AttentionMetadata` for the three ways)."""
-        if meta.decode and self.use_decode_kernel:
+        kernels = True
+        if self.window is not None:
+            windowed = meta.windowed(self.window)
+            kernels, meta = windowed is meta, windowed
+        if meta.decode and self.use_decode_kernel and kernels:
             out = self._decode_kernel(q, meta)
         elif meta.decode:
             keys = gather_blocks(self.k_cache, meta.block_tables, self.k_scales, q.dtype)
@@ -133,12 +149,12 @@ class PagedAttention(nn.Module):
             kernel = self._prefill_kernel(q) or batched_causal_attention
             out = self._by_runs(kernel, q.view(shape), k.view(shape), v.view(shape), self.scale)
         else:
-            out = concat_groups([
-                self._attend_sequence(q, k, v, meta, b) for b in range(meta.batch_size)])
+            out = concat_groups([self._attend_sequence(q, k, v, meta, b, kernels)
+                                 for b in range(meta.batch_size)])
         return out.reshape(q.shape[0], -1)
 
     def _attend_sequence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         meta: AttentionMetadata, b: int) -> torch.Tensor:
+                         meta: AttentionMetadata, b: int, kernels: bool) -> torch.Tensor:
         rows = slice(meta.q_starts[b], meta.q_starts[b] + meta.q_lens[b])
         blocks = meta.key_blocks[b]
         if blocks is None:  # a fresh prompt: its keys are the new ones
@@ -148,7 +164,7 @@ class PagedAttention(nn.Module):
                                  q.dtype)[0, :meta.kv_lens[b]]
             values = gather_blocks(self.v_cache, blocks[None], self.v_scales,
                                    q.dtype)[0, :meta.kv_lens[b]]
-        if kernel := self._prefill_kernel(q):
+        if kernels and (kernel := self._prefill_kernel(q)):
             return self._by_runs(kernel, q[rows][None], keys[None], values[None],
                                  self.scale)[0]
         return self._by_runs(causal_attention, q[rows], keys, values, meta.masks[b], self.scale)

@@ -46,10 +46,25 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.reshape(batch, q.shape[1], -1)
 
 
-def prefix_causal_mask(tokens: int, prefix: int, device: torch.device) -> torch.Tensor:
-    """[tokens, prefix + tokens] bool: new token t sees keys [0, prefix + t]."""
-    keys = torch.arange(prefix + tokens, device=device)
-    return keys[None, :] <= prefix + torch.arange(tokens, device=device)[:, None]
+def prefix_causal_mask(tokens: int, prefix: int, device: torch.device,
+                       window: int | None = None) -> torch.Tensor:
+    """[tokens, prefix + tokens] bool: new token t sees keys [0, prefix + t], or with a
+    sliding `window` only the last `window` of them (its own included), as transformers'
+    sliding-window mask has it."""
+    keys = torch.arange(prefix + tokens, device=device)[None, :]
+    queries = prefix + torch.arange(tokens, device=device)[:, None]
+    mask = keys <= queries
+    if window is not None:
+        mask &= keys > queries - window
+    return mask
+
+
+def sliding_key_mask(key_mask: torch.Tensor, seq_lens: torch.Tensor,
+                     window: int) -> torch.Tensor:
+    """A decode `key_mask` ([B, 1, 1, L] bool) narrowed to each sequence's last `window` keys
+    (`seq_lens` [B] keys per sequence, the new one last)."""
+    keys = torch.arange(key_mask.shape[-1], device=key_mask.device)
+    return key_mask & (keys >= (seq_lens - window)[:, None, None, None])
 
 
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

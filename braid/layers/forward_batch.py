@@ -5,13 +5,13 @@ here imports the engine."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from braid.layers.attention_ops import prefix_causal_mask
+from braid.layers.attention_ops import prefix_causal_mask, sliding_key_mask
 
 
 class StepArrays(Protocol):
@@ -51,11 +51,33 @@ class AttentionMetadata:
     q_starts: list[int]  # each sequence's first token, relative to the group's first
     q_lens: list[int]
     kv_lens: list[int]
+    device: torch.device
     block_tables: torch.Tensor | None = None  # decode: [B, blocks]
     key_mask: torch.Tensor | None = None  # decode: [B, 1, 1, blocks * block_size] bool
     seq_lens: torch.Tensor | None = None  # decode: [B] int64, = kv_lens
     key_blocks: list[torch.Tensor | None] | None = None  # prefill, per sequence; None: fresh
     masks: list[torch.Tensor | None] | None = None  # prefill, per sequence; None: fresh
+    _windowed: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
+
+    def windowed(self, window: int) -> AttentionMetadata:
+        """The metadata for a sliding-window layer, whose queries see only the last `window`
+        keys (their own included): this metadata where no sequence holds more keys than that,
+        else a copy whose decode key mask and prefill masks leave out the older keys (every
+        sequence then attends on its own, under its mask). Built once per step per window,
+        for all layers of that window."""
+        if max(self.kv_lens) <= window:
+            return self
+        if window not in self._windowed:
+            if self.decode:
+                narrowed = replace(self, key_mask=sliding_key_mask(self.key_mask, self.seq_lens,
+                                                                   window), _windowed={})
+            else:
+                masks = [prefix_causal_mask(q, kv - q, self.device, window)
+                         if kv > window else mask
+                         for q, kv, mask in zip(self.q_lens, self.kv_lens, self.masks)]
+                narrowed = replace(self, equal_fresh=False, masks=masks, _windowed={})
+            self._windowed[window] = narrowed
+        return self._windowed[window]
 
 
 @dataclass
@@ -74,7 +96,7 @@ def build_attention_metadata(q_lens: np.ndarray, kv_lens: np.ndarray, block_tabl
         batch_size=len(q_lens), decode=bool((q_lens == 1).all()) and not fresh.all(),
         equal_fresh=bool(fresh.all()) and bool((q_lens == q_lens[0]).all()),
         q_starts=np.concatenate([[0], np.cumsum(q_lens)[:-1]]).tolist(),
-        q_lens=q_lens.tolist(), kv_lens=kv_lens.tolist())
+        q_lens=q_lens.tolist(), kv_lens=kv_lens.tolist(), device=torch.device(device))
     blocks = -(-kv_lens // block_size)  # blocks holding each sequence's keys
     if meta.decode:
         # At least DECODE_MIN_BLOCKS wide (padded with block 0, masked): a compiled decode

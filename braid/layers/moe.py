@@ -1,4 +1,5 @@
-"""Mixture of experts (DeepSeek-V2/V3): the router and tensor-parallel routed experts.
+"""Mixture of experts (DeepSeek-V2/V3, Qwen3-MoE, Mixtral): the router and tensor-parallel
+routed experts.
 
 Routed experts are split over ranks along their intermediate dimension, like a dense MLP: each
 rank holds every expert's gate/up columns and down rows for its slice, computes a partial
@@ -9,6 +10,7 @@ is replicated and sees bitwise-identical hidden states.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +44,17 @@ class RouterConfig:
     routed_scaling_factor: float
     # V2's reference code either renormalises or scales; V3's renormalises, then scales.
     scale_after_norm: bool
+
+    @staticmethod
+    def softmax_top_k(num_experts: int, top_k: int, renormalize: bool) -> RouterConfig:
+        """Softmax over all experts, the top k kept, renormalised to sum to one or not
+        (Qwen3-MoE's `norm_topk_prob`; Mixtral always): the same as a softmax over the top k
+        logits when renormalised, whatever k (`scale_after_norm` with a factor of 1 is the
+        rule that renormalises even one expert)."""
+        return RouterConfig(num_experts=num_experts, top_k=top_k, scoring="softmax",
+                            method="greedy", num_groups=1, topk_group=1,
+                            norm_topk_prob=renormalize, routed_scaling_factor=1.0,
+                            scale_after_norm=renormalize)
 
     @staticmethod
     def from_hf(cfg: dict, v3: bool) -> RouterConfig:
@@ -157,3 +170,33 @@ class RoutedExperts(nn.Module):
                 start += count
         out *= weights.flatten()[order, None].to(out.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+class SparseMoE(nn.Module):
+    """Routed experts without shared ones (Qwen3-MoE, Mixtral): `gate` picks each token's
+    experts, `experts` computes this rank's partial output (the caller all-reduces it)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, router: RouterConfig,
+                 comm: Communicator, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate = TopKRouter(hidden_size, router)
+        self.experts = RoutedExperts(router.num_experts, hidden_size, intermediate_size, comm,
+                                     dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden, *self.gate(hidden))
+
+
+# Per-expert checkpoint tensors as DeepSeek and Qwen3-MoE name them.
+_EXPERT_WEIGHT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def expert_checkpoint_param(name: str) -> tuple[str, object] | None:
+    """(stacked parameter, shard id) of a per-expert checkpoint tensor
+    (`...mlp.experts.3.up_proj.weight` -> `...mlp.experts.w13`, (3, "up_proj")), for a
+    model's `checkpoint_param`; None for other names."""
+    match = _EXPERT_WEIGHT.fullmatch(name)
+    if match is None:
+        return None
+    prefix, expert, part = match.groups()
+    return f"{prefix}.{'w2' if part == 'down_proj' else 'w13'}", (int(expert), part)

@@ -1,5 +1,5 @@
-"""Rotary position embedding: default, linear, llama3 and YaRN frequencies; the neox layout
-(rotate halves) or DeepSeek's interleaved pairs."""
+"""Rotary position embedding: default, linear, llama3, YaRN and LongRoPE frequencies; the neox
+layout (rotate halves) or DeepSeek's interleaved pairs."""
 
 from __future__ import annotations
 
@@ -60,6 +60,28 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float,
     return inv_freq, float(attention_factor)
 
 
+def _longrope_angles(positions: torch.Tensor, inv_freq: torch.Tensor,
+                     scaling: dict) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): each frequency divided by its own factor, the `short_factor` list
+    within the original context and the `long_factor` list beyond it, and cos/sin scaled by
+    sqrt(1 + ln(factor) / ln(original context)). transformers picks one list for a whole
+    forward pass from its longest position, so keys cached before a sequence crossed the
+    original context keep their short-factor rotation there too; here the list follows each
+    token's own position, which is the same within the original context, where every test
+    and most prompts stay. `scaling` holds the factors and `original_max_position_embeddings`
+    and `factor` (the model class fills them from the config)."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling["factor"]
+    magnitude = scaling.get("attention_factor")
+    if magnitude is None:
+        magnitude = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    short = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64)
+    long = inv_freq / torch.tensor(scaling["long_factor"], dtype=torch.float64)
+    angles = torch.where(positions[:, None] < original, torch.outer(positions, short),
+                         torch.outer(positions, long))
+    return angles, float(magnitude)
+
+
 class RotaryEmbedding(nn.Module):
     """Applies rotary embedding to query and key heads at given positions.
 
@@ -81,10 +103,13 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / scaling["factor"]
         elif kind == "yarn":
             inv_freq, magnitude = _yarn_inv_freq(inv_freq, head_dim, base, scaling)
-        elif kind != "default":
+        elif kind not in ("default", "longrope"):
             raise UserError(f"rope scaling {kind!r} is not supported for this model")
         t = torch.arange(max_positions, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq)
+        if kind == "longrope":
+            freqs, magnitude = _longrope_angles(t, inv_freq, scaling)
+        else:
+            freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos", (freqs.cos() * magnitude).float(), persistent=False)
         self.register_buffer("sin", (freqs.sin() * magnitude).float(), persistent=False)
         self._recent: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []

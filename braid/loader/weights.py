@@ -53,6 +53,20 @@ class TensorWeight(LazyWeight):
         return self.tensor.narrow(dim, start, length)
 
 
+class RowSlice(LazyWeight):
+    """Rows `[offset, offset + rows)` of another lazy tensor: one part of a tensor a checkpoint
+    fused (Phi-3's `qkv_proj`), read only as far as a rank's slice of it."""
+
+    def __init__(self, base: LazyWeight, offset: int, rows: int) -> None:
+        self.base, self.offset = base, offset
+        self.shape = (rows, *base.shape[1:])
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self.base.narrow(0, self.offset + start, length)
+        return self.base.narrow(0, self.offset, self.shape[0]).narrow(dim, start, length)
+
+
 # (our parameter segment, checkpoint segment, shard id): checkpoint tensors fused into one param.
 StackedMapping = Sequence[tuple[str, str, object]]
 
@@ -70,10 +84,11 @@ def _rename(name: str, stacked: StackedMapping) -> tuple[str, object]:
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, LazyWeight]]) -> None:
     """Copy checkpoint tensors into `model`'s parameters through their `weight_loader`s.
 
-    The model says how names map: `stacked_params` (checkpoint tensors fused into one
-    parameter), `is_ignored_weight(name)` (present but unused: a tied `lm_head.weight`, extra
-    layers), and `checkpoint_param(name)` returning (parameter name, shard id), or None for
-    the stacked rule. A parameter fed by several shards lists them in `shard_ids`
+    The model says how names map: `checkpoint_parts(name, weight)` (a fused checkpoint tensor
+    as its parts, each under its own name), `stacked_params` (checkpoint tensors fused into
+    one parameter), `is_ignored_weight(name)` (present but unused: a tied `lm_head.weight`,
+    extra layers), and `checkpoint_param(name)` returning (parameter name, shard id), or None
+    for the stacked rule. A parameter fed by several shards lists them in `shard_ids`
     unless the stacked rule implies them. Raises `ValueError` naming every missing and every
     unexpected weight.
     """
@@ -81,7 +96,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, LazyWeight]]) ->
     stacked: StackedMapping = model.stacked_params
     loaded: set[tuple[str, object]] = set()
     unexpected = []
-    for ckpt_name, weight in weights:
+    parts = ((name, part) for fused, weight in weights
+             for name, part in model.checkpoint_parts(fused, weight))
+    for ckpt_name, weight in parts:
         if ckpt_name.endswith("rotary_emb.inv_freq") or model.is_ignored_weight(ckpt_name):
             continue
         name, shard_id = model.checkpoint_param(ckpt_name) or _rename(ckpt_name, stacked)

@@ -7,7 +7,7 @@ flight (the embedding's, then each block's: a `Pending`), "residual" the running
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -17,23 +17,36 @@ from braid.distributed.comm import Communicator
 from braid.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from braid.layers.forward_batch import ForwardBatch
 from braid.layers.norm import RMSNorm
+from braid.loader.weights import LazyWeight
 from braid.overlap.operations import State, between_pieces
+
+# Builds a norm from (size, eps, dtype): `RMSNorm`, or Gemma's `OffsetRMSNorm`.
+Norm = Callable[[int, float, torch.dtype], nn.Module]
 
 
 class DecoderModel(nn.Module):
-    """Embedding, decoder layers (built by `make_layer(index)`) and the final norm."""
+    """Embedding (times `embed_scale` where the model scales it: Gemma), decoder layers (built
+    by `make_layer(index)`) and the final norm."""
 
     def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype,
-                 make_layer: Callable[[int], nn.Module]) -> None:
+                 make_layer: Callable[[int], nn.Module], norm: Norm = RMSNorm,
+                 embed_scale: float | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm,
                                                    dtype)
+        # rounded to the model's dtype, as transformers multiplies by it
+        self.embed_scale = (None if embed_scale is None
+                            else torch.tensor(embed_scale, dtype=dtype).item())
         self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = norm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def embed_op(self, state: State, batch: ForwardBatch) -> None:
-        state.put("partial", self.embed_tokens.comm.all_reduce_async(
-            self.embed_tokens.partial(batch.input_ids)))
+        # A rank's partial holds the rows of its vocabulary slice and zeros: scaling it before
+        # the sum is scaling the sum.
+        partial = self.embed_tokens.partial(batch.input_ids)
+        if self.embed_scale is not None:
+            partial = partial * self.embed_scale
+        state.put("partial", self.embed_tokens.comm.all_reduce_async(partial))
         state.put("residual", None)
 
 
@@ -44,12 +57,12 @@ class DecoderLayer(nn.Module):
     Subclasses provide `operations()` with their attention operations; the MLP's is shared."""
 
     def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype,
-                 self_attn: nn.Module, mlp: nn.Module) -> None:
+                 self_attn: nn.Module, mlp: nn.Module, norm: Norm = RMSNorm) -> None:
         super().__init__()
         self.comm = comm
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = mlp
 
     def operations(self) -> list:
@@ -102,6 +115,12 @@ class CausalLM(nn.Module):
         """A checkpoint tensor present but unused: a tied head stored anyway."""
         return self.config.tie_word_embeddings and name == "lm_head.weight"
 
+    def checkpoint_parts(self, name: str,
+                         weight: LazyWeight) -> Iterable[tuple[str, LazyWeight]]:
+        """A checkpoint tensor as the tensors the loader maps: itself, unless the checkpoint
+        fused several that braid keeps apart or splits otherwise (Phi-3's `qkv_proj`)."""
+        return ((name, weight),)
+
     def checkpoint_param(self, name: str) -> tuple[str, object] | None:
         """(parameter name, shard id) for checkpoint names `stacked_params` cannot map; None
         leaves a name to that rule."""
@@ -117,10 +136,14 @@ class CausalLM(nn.Module):
             ops += layer.operations()
         return [*ops, self.logits_op]
 
+    def final_residual(self, state: State) -> torch.Tensor:
+        """The residual stream after the last layer: its running value plus the last block's
+        sum in flight."""
+        return self.lm_head.comm.wait_sum(state.take("partial"), state.take("residual"))
+
     @between_pieces  # the rows it keeps vary by step (a prompt chunk keeps none)
     def logits_op(self, state: State, batch: ForwardBatch) -> None:
-        hidden = self.model.norm(self.lm_head.comm.wait_sum(state.take("partial"),
-                                                            state.take("residual")))
+        hidden = self.model.norm(self.final_residual(state))
         if batch.logits_index is not None:
             hidden = hidden[batch.logits_index]
         if hidden.shape[0] == 0:  # no logits wanted (a prompt chunk): every rank skips the head

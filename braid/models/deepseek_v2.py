@@ -27,7 +27,7 @@ from braid.layers.forward_batch import ForwardBatch
 from braid.layers.linear import ColumnParallelLinear, DataParallelLinear, RowParallelLinear
 from braid.layers.mla import LatentAttention
 from braid.layers.mlp import GATE_UP_STACKED, GatedMLP
-from braid.layers.moe import RoutedExperts, RouterConfig, TopKRouter
+from braid.layers.moe import RoutedExperts, RouterConfig, TopKRouter, expert_checkpoint_param
 from braid.layers.norm import RMSNorm
 from braid.layers.partition import split_range
 from braid.layers.rotary import RotaryEmbedding, yarn_mscale
@@ -192,7 +192,6 @@ class DeepseekV2DecoderLayer(DecoderLayer):
         state.put("partial", self.comm.all_reduce_async(self.self_attn(hidden, projected, batch)))
 
 
-_EXPERT_WEIGHT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -228,11 +227,7 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def checkpoint_param(self, name: str) -> tuple[str, object] | None:
         """Per-expert checkpoint tensors go into the stacked expert parameters."""
-        match = _EXPERT_WEIGHT.fullmatch(name)
-        if match is None:
-            return None
-        prefix, expert, part = match.groups()
-        return f"{prefix}.{'w2' if part == 'down_proj' else 'w13'}", (int(expert), part)
+        return expert_checkpoint_param(name)
 
     def is_ignored_weight(self, name: str) -> bool:
         """Also the layers past `num_hidden_layers` (V3's multi-token-prediction module)."""

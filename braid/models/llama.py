@@ -1,39 +1,56 @@
-"""Llama-architecture decoder (Llama 2/3, SmolLM, Mistral-style GQA) with tensor parallelism."""
+"""Llama-architecture decoder (Llama 2/3, SmolLM) with tensor parallelism, and the options the
+families built on it add (`braid.models.qwen`, `mistral`, `phi3`, `gemma3`): biases on the
+projections, RMSNorm on each query and key head, a sliding window per layer, a MoE in place of
+the MLP."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from braid.config import ModelConfig
+from braid.config import ModelConfig, UserError
 from braid.distributed.comm import Communicator
 from braid.layers.attention import PagedAttention
 from braid.layers.forward_batch import ForwardBatch
 from braid.layers.linear import QKVParallelLinear, RowParallelLinear
 from braid.layers.mlp import GATE_UP_STACKED, GatedMLP
+from braid.layers.norm import RMSNorm
 from braid.layers.partition import partition_heads, split_sizes
 from braid.layers.rotary import RotaryEmbedding
 from braid.models.common import CausalLM, DecoderLayer, DecoderModel
 from braid.overlap.operations import YIELD, State, between_pieces
+
+# Builds the per-head norm of queries or keys (Qwen3, Gemma 3) from the head dim.
+HeadNorm = Callable[[int], nn.Module]
 
 
 class LlamaAttention(nn.Module):
     """QKV projection, rotary, paged attention and the row-parallel output projection."""
 
     def __init__(self, config: ModelConfig, comm: Communicator, rotary: RotaryEmbedding,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, *, window: int | None = None, qkv_bias: bool = False,
+                 o_bias: bool = False, head_norm: HeadNorm | None = None,
+                 scale: float | None = None) -> None:
+        """`window`: the layer's sliding window (None: it sees every key); `qkv_bias`,
+        `o_bias`: biases on the Q/K/V and output projections; `head_norm`: builds the norms
+        each query and key head goes through before the rotary (`q_norm`, `k_norm`);
+        `scale`: the softmax scale where it is not head_dim ** -0.5."""
         super().__init__()
         heads = partition_heads(config.num_heads, config.num_kv_heads, comm.world_size)[comm.rank]
         d = config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = heads.q_count, heads.kv_count, d
-        bias = bool(config.extra.get("attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, heads, comm, bias=bias,
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, heads, comm, bias=qkv_bias,
                                           dtype=dtype)
         self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size, comm,
                                         in_range=(heads.q_start * d, heads.q_count * d),
-                                        reduce=False, dtype=dtype)
+                                        reduce=False, bias=o_bias, dtype=dtype)
+        self.q_norm = head_norm(d) if head_norm else None
+        self.k_norm = head_norm(d) if head_norm else None
         self.rotary = rotary
-        self.attn = PagedAttention(heads.q_count, heads.kv_count, d, heads.runs())
+        self.attn = PagedAttention(heads.q_count, heads.kv_count, d, heads.runs(),
+                                   window=window, scale=scale)
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,8 +59,12 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
-        qk = self.rotary.rotate(positions, qk.view(-1, heads + kv_heads, d))
-        q, k = qk.split([heads, kv_heads], dim=1)
+        qk = qk.view(-1, heads + kv_heads, d)
+        if self.q_norm is not None:
+            q, k = qk.split([heads, kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q.reshape(-1, d)).view(q.shape),
+                            self.k_norm(k.reshape(-1, d)).view(k.shape)], dim=1)
+        q, k = self.rotary.rotate(positions, qk).split([heads, kv_heads], dim=1)
         return q, k, v.view(-1, kv_heads, d)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -56,11 +77,6 @@ class LlamaDecoderLayer(DecoderLayer):
     wait, MLP -> launch all-reduce | YIELD`; the wait of the second all-reduce opens the next
     layer. Attention is an operation of its own: it reads the step's per-sequence metadata, so
     compiled pieces of a step end before it (`between_pieces`)."""
-
-    def __init__(self, config: ModelConfig, comm: Communicator, rotary: RotaryEmbedding,
-                 dtype: torch.dtype) -> None:
-        super().__init__(config, comm, dtype, LlamaAttention(config, comm, rotary, dtype),
-                         GatedMLP(config.hidden_size, config.intermediate_size, comm, dtype))
 
     def operations(self) -> list:
         return [self.qkv_op, self.attend_op, self.attention_output_op, YIELD, self.mlp_op, YIELD]
@@ -82,7 +98,10 @@ def _span(start: int, count: int) -> str:
 
 
 class LlamaForCausalLM(CausalLM):
-    """Llama with a vocabulary-parallel LM head; returns logits of the requested tokens."""
+    """Llama with a vocabulary-parallel LM head; returns logits of the requested tokens.
+
+    The families built on it override the class methods that say how a layer differs:
+    `attention_options` (biases, head norms, window), `make_mlp` and `rope_scaling`."""
 
     # Checkpoint tensors fused into one parameter: (our segment, checkpoint segment, shard id).
     stacked_params = (
@@ -95,6 +114,10 @@ class LlamaForCausalLM(CausalLM):
     @classmethod
     def check_config(cls, config: ModelConfig, tp: int) -> None:
         partition_heads(config.num_heads, config.num_kv_heads, tp)
+        act = config.extra.get("hidden_act", "silu")
+        if act != "silu":
+            raise UserError(f"{config.architecture} with hidden_act {act!r} is not supported "
+                            "(braid computes silu)")
 
     @classmethod
     def describe_split(cls, config: ModelConfig, tp: int) -> str:
@@ -106,8 +129,36 @@ class LlamaForCausalLM(CausalLM):
         return (f"{'; '.join(ranks)}; MLP columns {sizes(config.intermediate_size)}; "
                 f"vocabulary rows {sizes(config.vocab_size)}")
 
+    @classmethod
+    def attention_options(cls, config: ModelConfig, index: int, dtype: torch.dtype) -> dict:
+        """`LlamaAttention`'s keyword options for layer `index`: Llama's `attention_bias`
+        puts a bias on all four projections, as transformers does."""
+        bias = bool(config.extra.get("attention_bias", False))
+        return dict(qkv_bias=bias, o_bias=bias)
+
+    @classmethod
+    def make_mlp(cls, config: ModelConfig, comm: Communicator, dtype: torch.dtype,
+                 index: int) -> nn.Module:
+        """Layer `index`'s MLP (a MoE in the sparse families), returning a partial sum."""
+        return GatedMLP(config.hidden_size, config.intermediate_size, comm, dtype)
+
+    @classmethod
+    def make_rotary(cls, config: ModelConfig) -> RotaryEmbedding:
+        return RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                               config.rope_theta, config.rope_scaling)
+
     def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                 config.rope_theta, config.rope_scaling)
-        super().__init__(config, DecoderModel(
-            config, comm, dtype, lambda i: LlamaDecoderLayer(config, comm, rotary, dtype)))
+        rotary = self.make_rotary(config)
+
+        def layer(i: int) -> LlamaDecoderLayer:
+            attention = LlamaAttention(config, comm, rotary, dtype,
+                                       **self.attention_options(config, i, dtype))
+            return LlamaDecoderLayer(config, comm, dtype, attention,
+                                     self.make_mlp(config, comm, dtype, i))
+
+        super().__init__(config, DecoderModel(config, comm, dtype, layer))
+
+
+def per_head_rms_norm(config: ModelConfig, dtype: torch.dtype) -> HeadNorm:
+    """Qwen3's `q_norm` / `k_norm`: an RMSNorm over each head's dims."""
+    return lambda head_dim: RMSNorm(head_dim, config.rms_norm_eps, dtype)

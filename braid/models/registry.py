@@ -7,13 +7,23 @@ from torch import nn
 from braid.config import ModelConfig, UserError
 from braid.models.config_fields import check_config_fields
 from braid.models.deepseek_v2 import DeepseekV2ForCausalLM
+from braid.models.gemma3 import Gemma3ForCausalLM
 from braid.models.llama import LlamaForCausalLM
+from braid.models.mistral import MistralForCausalLM, MixtralForCausalLM
+from braid.models.phi3 import Phi3ForCausalLM
+from braid.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

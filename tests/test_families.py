@@ -1,0 +1,157 @@
+"""The families beyond Llama and DeepSeek against transformers, on random weights that
+transformers' own classes made (`braid make-random-model --preset tiny`, fp32): logits and
+greedy tokens at tp 1, 2 and 3 with prompts longer than the sliding window (prefilled whole
+and in chunks, decoded across it, and again over their cached prefixes); the compiled path;
+two-batch overlap on and off; a served chat in each family's template."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from conftest import slow
+from test_hf_parity import check_logits
+
+from braid import LLM, SamplingParams
+
+FAMILIES = ("mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "phi3")
+WINDOW = 48  # the tiny presets' sliding window, where the family has one
+# 40 prompt tokens + NEW_TOKENS cross the window while decoding; 60 and 130 in prefill. With a
+# step budget of STEP_TOKENS the first step holds the 40 and 60 whole and 12 tokens of the 130,
+# the next the 130's other 118 after its cached 12.
+PROMPT_LENGTHS = (40, 60, 130)
+STEP_TOKENS = 112
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="session")
+def family(tmp_path_factory, tokenizer):
+    """`family(arch)` -> (folder, transformers model) of the arch's tiny preset, made once."""
+    from transformers import AutoModelForCausalLM
+
+    from braid.random_model import make_random_model
+
+    @functools.cache
+    def make(arch: str):
+        folder = tmp_path_factory.mktemp(arch) / "model"
+        make_random_model(arch, "tiny", str(folder), tokenizer=tokenizer)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        return str(folder), model
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def family_prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(1000, 40000, (n,), generator=generator).tolist()
+            for n in PROMPT_LENGTHS]
+
+
+@functools.cache
+def _reference(model, prompts: tuple[tuple[int, ...], ...]):
+    """transformers' prompt logits and greedy tokens (argmax of full forward passes: its
+    `generate` would hold back the EOS some presets reach)."""
+    logits, greedy = [], []
+    with torch.inference_mode():
+        for prompt in prompts:
+            logits.append(model(torch.tensor([prompt])).logits[0].float())
+            ids = list(prompt)
+            for _ in range(NEW_TOKENS):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            greedy.append(ids[len(prompt):])
+    return logits, greedy
+
+
+def reference(model, prompts: list[list[int]]):
+    return _reference(model, tuple(map(tuple, prompts)))
+
+
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+
+
+# The default suite runs each family once, the tps spread over them; `-m ""` runs every tp.
+@pytest.mark.parametrize("arch,tp", [
+    (arch, tp) if tp == (i % 3) + 1 else slow(arch, tp)
+    for i, arch in enumerate(FAMILIES) for tp in (1, 2, 3)])
+def test_families_match_transformers(arch, tp, family, family_prompts):
+    folder, model = family(arch)
+    ref_logits, ref_greedy = reference(model, family_prompts)
+    with LLM(folder, tp=tp, dtype="fp32", max_num_batched_tokens=STEP_TOKENS) as llm:
+        check_logits(llm.prompt_logits(family_prompts), ref_logits)
+        fresh = [out.token_ids for out in llm.generate(family_prompts, GREEDY)]
+        # Again: the prompts' full blocks now come from the prefix cache.
+        cached = [out.token_ids for out in llm.generate(family_prompts, GREEDY)]
+    assert fresh == ref_greedy
+    assert cached == ref_greedy
+
+
+def test_the_window_changes_these_prompts(family, family_prompts):
+    """Guards the test above: without its window, a sliding-window family would give other
+    logits for the prompts longer than the window, so matching transformers tests it."""
+    from transformers import AutoModelForCausalLM
+
+    folder, model = family("mistral")
+    ref_logits, _ = reference(model, family_prompts)
+    unwindowed = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                      sliding_window=None).eval()
+    with torch.inference_mode():
+        logits = unwindowed(torch.tensor([family_prompts[-1]])).logits[0]
+    assert (logits[:WINDOW] - ref_logits[-1][:WINDOW]).abs().max() < 1e-4
+    assert (logits[WINDOW:] - ref_logits[-1][WINDOW:]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("arch", ["gemma3", slow("qwen2"), slow("phi3"), slow("mistral"),
+                                  slow("qwen3")])
+def test_compiled_steps_match_transformers(arch, family, family_prompts):
+    """Decode steps through the compiled graph at tp 2: windowed layers read the traced
+    kernel under a sliding key mask, Gemma's norms and block order in the graph."""
+    folder, model = family(arch)
+    _, ref_greedy = reference(model, family_prompts)
+    with LLM(folder, tp=2, dtype="fp32", compile="on") as llm:
+        outputs = llm.generate(family_prompts, GREEDY)
+        paths = dict(llm.core.steps_by_path)
+    assert [out.token_ids for out in outputs] == ref_greedy
+    assert paths.get("graph", 0) >= NEW_TOKENS - 1, paths
+
+
+@pytest.mark.parametrize("arch,comm", [
+    ("qwen3_moe", "shm"), slow("qwen3_moe", "torch"), slow("mixtral", "shm"),
+    ("mixtral", "torch"), ("gemma3", "shm"), slow("gemma3", "torch")])
+def test_overlap_on_equals_off(arch, comm, family, family_prompts):
+    """Two-batch overlap around the experts' all-reduce (and Gemma's sandwich-norm stages):
+    same logits and greedy tokens as one batch, at tp 2."""
+    folder, _ = family(arch)
+    with LLM(folder, tp=2, dtype="fp32", comm=comm, prefix_caching=False) as llm:
+        results = {}
+        for mode in ("on", "off"):
+            llm.policy.overlap = mode
+            results[mode] = (llm.prompt_logits(family_prompts),
+                             [out.token_ids for out in llm.generate(family_prompts, GREEDY)])
+    check_logits(*[results[mode][0] for mode in ("on", "off")])
+    assert results["on"][1] == results["off"][1]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", *(slow(a) for a in FAMILIES if a != "gemma3")])
+def test_a_served_chat_uses_the_family_template(arch, family, tokenizer, tmp_path):
+    """`braid serve --model <tiny folder> --tp 2`: a chat completion whose prompt is the
+    folder's own template (the family's format), not the embedded tokenizer's ChatML."""
+    import openai
+    from server_utils import braid_server
+
+    from braid.engine.tokenizer import apply_chat_template, load_tokenizer
+
+    folder, _ = family(arch)
+    question = "Name a colour."
+    expected = apply_chat_template(load_tokenizer(folder, use_cache=False), question)
+    assert expected != apply_chat_template(tokenizer, question)
+    with braid_server("--model", folder, "--tp", "2", log_dir=tmp_path) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none",
+                               max_retries=0, timeout=120)
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id, max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": question}])
+    assert reply.usage.prompt_tokens == len(expected)
+    assert reply.usage.completion_tokens >= 1
+    assert reply.choices[0].finish_reason in ("stop", "length")
