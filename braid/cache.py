@@ -40,8 +40,9 @@ def cache_root() -> Path:
 
 # The modules whose code decides what an entry holds: an edit to one (an editable install
 # keeps its version number) must not read entries its previous code wrote.
-_DERIVING_MODULES = ("cache.py", "config.py", "loader/gguf.py", "loader/weights.py",
-                     "loader/weight_cache.py", "engine/tokenizer.py")
+_DERIVING_MODULES = ("cache.py", "config.py", "loader/gguf.py", "loader/gguf_families.py",
+                     "loader/model_config.py", "loader/weights.py", "loader/weight_cache.py",
+                     "engine/tokenizer.py")
 
 
 def braid_version() -> str:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 import platform
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -136,7 +135,8 @@ def default_model_path() -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture hyper-parameters, read from a Hugging Face `config.json` or GGUF metadata."""
+    """Architecture hyper-parameters, from a Hugging Face `config.json` dict (a GGUF file's
+    metadata arrives as one: `braid.loader.model_config`)."""
 
     architecture: str
     vocab_size: int
@@ -195,39 +195,6 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             extra=cfg,
         )
-
-
-def load_model_config(model: str, use_cache: bool = True) -> ModelConfig:
-    """Config of a GGUF file or a Hugging Face folder; `UserError` naming what is wrong.
-
-    A GGUF file's config is kept in braid's cache (parsing the metadata takes seconds).
-    """
-    path = Path(model)
-    if not path.exists():
-        raise UserError(f"model path does not exist: {model}")
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise UserError(f"{model} is a file but not a .gguf file; pass a GGUF file or a folder")
-        return _gguf_model_config(path, use_cache)
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise UserError(f"{model} has no config.json; pass a Hugging Face model folder or GGUF")
-    return ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
-
-
-def _gguf_model_config(path: Path, use_cache: bool) -> ModelConfig:
-    from braid.cache import cached
-    from braid.loader.gguf import gguf_model_config
-
-    def build(folder: Path) -> None:
-        (folder / "config.json").write_text(json.dumps(asdict(gguf_model_config(str(path)))))
-
-    def load(folder: Path) -> ModelConfig:
-        fields = json.loads((folder / "config.json").read_text())
-        return ModelConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
-
-    config = cached(path, "config", build, load) if use_cache else None
-    return config or gguf_model_config(str(path))
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,11 @@ import time
 import numpy as np
 import torch
 
-from braid.config import default_model_path, load_model_config
+from braid.config import default_model_path
 from braid.engine.grammar import JSON_OPTIONS
 from braid.engine.sampler import apply_grammar_mask
 from braid.engine.tokenizer import load_tokenizer
+from braid.loader.model_config import load_model_config
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "tags", "address"], "properties": {

@@ -16,7 +16,8 @@ import psutil
 import pytest
 import torch
 
-from braid.config import default_model_path, load_model_config
+from braid.config import default_model_path
+from braid.loader.model_config import load_model_config
 
 # braid's cache of derived checkpoint files lives in a folder of this test session (never the
 # user's ~/.cache): the first launch converts, later ones load, as on a user's machine.

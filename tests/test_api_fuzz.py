@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, Phase
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from braid.config import load_model_config
+from braid.loader.model_config import load_model_config
 from braid.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

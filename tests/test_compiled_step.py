@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from braid.config import cpu_flags, load_model_config
+from braid.config import cpu_flags
 from braid.distributed.comm import SkipCommunicator
 from braid.engine import compiled_step
 from braid.engine.compiled_step import (
@@ -21,6 +21,7 @@ from braid.engine.compiled_step import (
 )
 from braid.layers.forward_batch import ForwardBatch
 from braid.layers.quant import Quantizable
+from braid.loader.model_config import load_model_config
 from braid.models.registry import model_class
 from braid.overlap.operations import YIELD
 

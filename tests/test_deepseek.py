@@ -14,10 +14,11 @@ from engine_utils import RunnerExecutor, run_requests
 from test_hf_parity import check_logits
 
 from braid import LLM, SamplingParams
-from braid.config import EngineConfig, load_model_config
+from braid.config import EngineConfig
 from braid.distributed.comm import SkipCommunicator
 from braid.engine.core import EngineCore
 from braid.engine.model_runner import ModelRunner
+from braid.loader.model_config import load_model_config
 from braid.random_model import make_random_model
 
 GREEDY_STEPS = 32

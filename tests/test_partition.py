@@ -87,7 +87,7 @@ def test_unpermute_rotary_inverts_llama_cpp_permutation():
 
 
 def test_the_split_printed_at_startup_names_each_ranks_heads(model_path):
-    from braid.config import load_model_config
+    from braid.loader.model_config import load_model_config
     from braid.models.llama import LlamaForCausalLM
 
     config = load_model_config(model_path)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from engine_utils import RunnerExecutor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from braid.config import EngineConfig, load_model_config
+from braid.config import EngineConfig
 from braid.distributed.comm import SkipCommunicator
 from braid.engine.core import EngineCore
 from braid.engine.model_runner import ModelRunner
@@ -26,6 +26,7 @@ from braid.layers.quant import (
     pack_linear_layers,
     packing_supported,
 )
+from braid.loader.model_config import load_model_config
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
 

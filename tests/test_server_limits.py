@@ -17,8 +17,9 @@ import pytest
 from conftest import API_KEY
 from fastapi.testclient import TestClient
 
-from braid.config import default_model_path, load_model_config
+from braid.config import default_model_path
 from braid.engine.request import SamplingParams, SequenceDelta
+from braid.loader.model_config import load_model_config
 from braid.server.api import ServerContext, build_app
 from braid.server.generation import generate, make_runs
 from braid.server.metrics import Metrics

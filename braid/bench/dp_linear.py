@@ -29,7 +29,6 @@ from braid.config import (
     SWITCH_CHOICES,
     EngineConfig,
     UserError,
-    load_model_config,
     resolve_comm,
     resolve_dtype,
     usable_cores,
@@ -38,6 +37,7 @@ from braid.distributed.comm import TorchCommunicator
 from braid.distributed.launch import RankGroup
 from braid.distributed.shm import ShmCommunicator, ShmSegment, activation_slot_bytes
 from braid.layers.linear import DataParallelLinear
+from braid.loader.model_config import load_model_config
 
 
 def compare_dp_linear(engine: EngineConfig, bench: OneBatch, workload: BraidWorkload,

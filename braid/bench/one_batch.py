@@ -19,15 +19,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from braid.config import (
-    DTYPES,
-    EngineConfig,
-    ModelConfig,
-    UserError,
-    load_model_config,
-    usable_cores,
-)
+from braid.config import DTYPES, EngineConfig, ModelConfig, UserError, usable_cores
 from braid.distributed.launch import RankGroup
+from braid.loader.model_config import load_model_config
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,7 @@ from itertools import count
 
 import torch
 
-from braid.config import (
-    EngineConfig,
-    UserError,
-    default_model_path,
-    load_model_config,
-)
+from braid.config import EngineConfig, UserError, default_model_path
 from braid.engine.core import EngineCore, RankExecutor, StepPolicy
 from braid.engine.output import CompletionState
 from braid.engine.request import (
@@ -23,6 +18,7 @@ from braid.engine.request import (
     SequenceDelta,
 )
 from braid.engine.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
+from braid.loader.model_config import load_model_config
 
 
 class LLM:

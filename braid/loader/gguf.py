@@ -1,44 +1,35 @@
 """GGUF files (llama.cpp's format) through the `gguf` package.
 
-Tensors are dequantized lazily and per slice of rows; llama.cpp's rotary permutation of the Q and K
-projections is undone so weights match the Hugging Face layout; the config comes from metadata.
+`gguf_config` turns a file's metadata into the Hugging Face `config.json` dict of its family;
+`iterate_gguf` yields its tensors under Hugging Face names with what llama.cpp's converter did
+undone (`braid.loader.gguf_families` says what, per architecture): the rotary permutation of Q
+and K, Gemma's `+1` on norms, experts stacked into one 3-D tensor per projection (each expert
+is a view of its own). Tensors are dequantized lazily and per slice of rows.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, Keys
 from gguf.quants import dequantize
 
-from braid.config import ModelConfig, UserError
+from braid.config import ModelConfig
+from braid.loader.gguf_families import (
+    ROPE_FACTOR_TENSORS,
+    Family,
+    config_dict,
+    expert_name,
+    family_of,
+    tensor_names,
+)
 from braid.loader.weights import LazyWeight
 
-# GGUF architecture name -> Hugging Face architecture braid serves it as.
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
-
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+_NAME_RE = re.compile(r"^(.+)\.(weight|bias)$")
 
 
 @lru_cache(maxsize=4)
@@ -51,41 +42,32 @@ def _field(reader: GGUFReader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def gguf_model_config(path: str) -> ModelConfig:
-    """ModelConfig from GGUF metadata; `UserError` for an architecture braid does not serve."""
-    reader = _reader(path)
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UserError(f"{path}: GGUF architecture {arch!r} is not supported "
-                        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+def _metadata(reader: GGUFReader, path: str) -> tuple[Family, Callable]:
+    """The file's family and a reader of its metadata by `gguf.Keys` template."""
+    arch = _field(reader, Keys.General.ARCHITECTURE)
 
     def get(key: str, default=None):
-        return _field(reader, f"{arch}.{key}", default)
+        return _field(reader, key.format(arch=arch), default)
 
-    num_heads = get("attention.head_count")
-    hidden = get("embedding_length")
-    names = {t.name for t in reader.tensors}
-    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    rope_scaling = None
-    if get("rope.scaling.type") == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        architecture=SUPPORTED_ARCHITECTURES[arch],
-        vocab_size=int(vocab),
-        hidden_size=int(hidden),
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=int(num_heads),
-        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(get("attention.key_length", hidden // num_heads)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(get("context_length", 4096)),
-        tie_word_embeddings="output.weight" not in names,
-        rope_scaling=rope_scaling,
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
+    return family_of(arch, get, path), get
+
+
+def _shape(tensor) -> tuple[int, ...]:
+    """A GGUF tensor's shape in PyTorch order (GGUF lists dimensions innermost first)."""
+    return tuple(int(d) for d in reversed(tensor.shape))
+
+
+def gguf_config(path: str) -> dict:
+    """The Hugging Face `config.json` dict of a GGUF file, from its metadata (what
+    `ModelConfig.from_hf_dict` reads); `UserError` for an architecture braid does not serve."""
+    reader = _reader(path)
+    family, get = _metadata(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def values(name: str) -> list[float]:
+        return np.asarray(tensors[name].data, dtype=np.float32).tolist()
+
+    return config_dict(family, get, {name: _shape(t) for name, t in tensors.items()}, values)
 
 
 def unpermute_rotary(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -95,26 +77,34 @@ def unpermute_rotary(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class GGUFWeight(LazyWeight):
-    """One GGUF tensor; a slice of rows dequantizes only those rows (quant blocks run along rows).
+    """One GGUF tensor, or one expert of a stacked 3-D one; a slice of rows dequantizes only
+    those rows (quant blocks run along rows).
 
-    `head_dim` is set for Q and K projections: their rows are unpermuted head by head after
-    slicing, so a slice must start and end on head boundaries.
+    `head_dim` is set for permuted Q and K projections: their rows are unpermuted head by head
+    after slicing, so a slice must start and end on head boundaries. `offset` is subtracted
+    from every value (what the converter added to Gemma's norms).
     """
 
-    def __init__(self, tensor, head_dim: int | None = None) -> None:
+    def __init__(self, tensor, head_dim: int | None = None, expert: int | None = None,
+                 offset: float = 0.0) -> None:
         self._tensor = tensor
         self._head_dim = head_dim
-        self.shape = tuple(int(d) for d in reversed(tensor.shape))
+        self._expert = expert
+        self._offset = offset
+        shape = _shape(tensor)
+        self.shape = shape if expert is None else shape[1:]
 
     def _rows(self, start: int, length: int) -> torch.Tensor:
         data = self._tensor.data
+        if self._expert is not None:
+            data = data[self._expert]
         qtype = self._tensor.tensor_type
-        if len(self.shape) == 1:
-            values = np.asarray(data[start:start + length], dtype=np.float32)
-        elif qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        if len(self.shape) == 1 or qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             values = np.asarray(data[start:start + length], dtype=np.float32)
         else:
             values = dequantize(data[start:start + length], qtype)
+        if self._offset:
+            values = values - np.float32(self._offset)
         if not values.flags.writeable:  # a slice of the read-only memory map
             values = values.copy()
         return torch.from_numpy(np.ascontiguousarray(values).reshape(length, *self.shape[1:]))
@@ -127,24 +117,33 @@ class GGUFWeight(LazyWeight):
                     raise ValueError("rotary projections are sliced on head boundaries only")
                 rows = unpermute_rotary(rows, length // self._head_dim)
             return rows
-        return self._rows(0, self.shape[0]).narrow(dim, start, length)
-
-
-def hf_name(gguf_name: str) -> str:
-    """Hugging Face name of a llama GGUF tensor (`blk.3.attn_q.weight` -> `model.layers.3...`)."""
-    match = _LAYER_RE.match(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        layer, kind, suffix = match.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
-    match = _GLOBAL_RE.match(gguf_name)
-    if match and match.group(1) in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[match.group(1)]}.{match.group(2)}"
-    return gguf_name  # reported as unexpected by the loader
+        return self.narrow(0, 0, self.shape[0]).narrow(dim, start, length)
 
 
 def iterate_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, LazyWeight]]:
-    """(Hugging Face name, lazy tensor) for every tensor of a llama GGUF file."""
-    for tensor in _reader(path).tensors:
-        name = hf_name(tensor.name)
-        head_dim = config.head_dim if name.endswith(("q_proj.weight", "k_proj.weight")) else None
-        yield name, GGUFWeight(tensor, head_dim)
+    """(Hugging Face name, lazy tensor) for every weight of a GGUF file.
+
+    A tensor the family's naming does not cover keeps its GGUF name, which the weight loader
+    reports as unexpected.
+    """
+    reader = _reader(path)
+    family, _ = _metadata(reader, path)
+    names = tensor_names(family, config.num_layers)
+    for tensor in reader.tensors:
+        if tensor.name in ROPE_FACTOR_TENSORS:  # part of the config
+            continue
+        match = _NAME_RE.match(tensor.name)
+        base = names.get(match.group(1)) if match else None
+        if base is None:
+            yield tensor.name, GGUFWeight(tensor)
+            continue
+        name = f"{base}.{match.group(2)}"
+        offset = family.norm_offset if name.endswith("norm.weight") else 0.0
+        permuted = family.rotary_permuted and base.endswith((".q_proj", ".k_proj"))
+        head_dim = config.head_dim if permuted else None
+        if ".experts." in base:
+            for expert in range(_shape(tensor)[0]):
+                yield (f"{expert_name(base, expert)}.{match.group(2)}",
+                       GGUFWeight(tensor, head_dim, expert, offset))
+        else:
+            yield name, GGUFWeight(tensor, head_dim, offset=offset)

@@ -14,10 +14,11 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
-from braid.config import EngineConfig, UserError, load_model_config
+from braid.config import EngineConfig, UserError
 from braid.distributed.launch import RankFailure, exit_with_parent
 from braid.engine.core import EngineCore, EngineError, RankExecutor
 from braid.engine.request import SequenceDelta, request_failure
+from braid.loader.model_config import load_model_config
 
 IDLE_POLL_S = 0.05  # how often an idle engine checks its ranks
 

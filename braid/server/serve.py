@@ -20,9 +20,10 @@ from pathlib import Path
 
 import uvicorn
 
-from braid.config import EngineConfig, load_model_config
+from braid.config import EngineConfig
 from braid.engine.kv_cache import kv_capacity_tokens
 from braid.engine.tokenizer import eos_token_ids, load_tokenizer
+from braid.loader.model_config import load_model_config
 from braid.models.registry import model_class
 from braid.server.api import ServerContext, build_app
 from braid.server.async_engine import AsyncEngine
