@@ -1,8 +1,8 @@
 """The families beyond Llama and DeepSeek against transformers, on random weights that
 transformers' own classes made (`braid make-random-model --preset tiny`, fp32): logits and
 greedy tokens at tp 1, 2 and 3 with prompts longer than the sliding window (prefilled whole
-and in chunks, decoded across it, and again over their cached prefixes); the compiled path;
-two-batch overlap on and off; a served chat in each family's template."""
+and in chunks, decoded across it, and again over their cached prefixes), with two-batch
+overlap off and on; the compiled path; a served chat in each family's template."""
 
 from __future__ import annotations
 
@@ -71,20 +71,36 @@ def reference(model, prompts: list[list[int]]):
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
 
-# The default suite runs each family once, the tps spread over them; `-m ""` runs every tp.
-@pytest.mark.parametrize("arch,tp", [
-    (arch, tp) if tp == (i % 3) + 1 else slow(arch, tp)
-    for i, arch in enumerate(FAMILIES) for tp in (1, 2, 3)])
-def test_families_match_transformers(arch, tp, family, family_prompts):
+# The default suite runs each family once, the tps spread over them; `-m ""` runs every tp and
+# both collective backends of the MoE families.
+DEFAULT_CASES = {("mistral", 2, "shm"), ("qwen2", 3, "shm"), ("qwen3", 1, "shm"),
+                 ("qwen3_moe", 2, "shm"), ("mixtral", 2, "torch"), ("gemma3", 3, "shm"),
+                 ("phi3", 1, "shm")}
+CASES = sorted({*DEFAULT_CASES, *((arch, tp, "shm") for arch in FAMILIES for tp in (1, 2, 3)),
+                *((arch, 2, "torch") for arch in ("qwen3_moe", "mixtral", "gemma3"))})
+
+
+@pytest.mark.parametrize("arch,tp,comm", [
+    case if case in DEFAULT_CASES else slow(*case) for case in CASES])
+def test_families_match_transformers(arch, tp, comm, family, family_prompts):
+    """Prompt logits, then greedy tokens fresh and over the cached prefixes; at tp > 1 again
+    with every step split in two overlapped micro-batches (around the experts' all-reduce in
+    the MoE families, around Gemma's sandwich-norm stages), which must give the same."""
     folder, model = family(arch)
     ref_logits, ref_greedy = reference(model, family_prompts)
-    with LLM(folder, tp=tp, dtype="fp32", max_num_batched_tokens=STEP_TOKENS) as llm:
-        check_logits(llm.prompt_logits(family_prompts), ref_logits)
-        fresh = [out.token_ids for out in llm.generate(family_prompts, GREEDY)]
-        # Again: the prompts' full blocks now come from the prefix cache.
-        cached = [out.token_ids for out in llm.generate(family_prompts, GREEDY)]
-    assert fresh == ref_greedy
-    assert cached == ref_greedy
+    with LLM(folder, tp=tp, dtype="fp32", comm=comm,
+             max_num_batched_tokens=STEP_TOKENS) as llm:
+        for overlap in ("off", "on") if tp > 1 else ("off",):
+            llm.policy.overlap = overlap
+            check_logits(llm.prompt_logits(family_prompts), ref_logits)
+            fresh = [out.token_ids for out in llm.generate(family_prompts, GREEDY)]
+            # Again: the prompts' full blocks now come from the prefix cache.
+            cached = [out.token_ids for out in llm.generate(family_prompts, GREEDY)]
+            assert fresh == ref_greedy, f"overlap {overlap}"
+            assert cached == ref_greedy, f"overlap {overlap}"
+        paths = dict(llm.core.steps_by_path)
+    if tp > 1:
+        assert paths.get("eager+overlap", 0) >= NEW_TOKENS, paths
 
 
 def test_the_window_changes_these_prompts(family, family_prompts):
@@ -102,8 +118,8 @@ def test_the_window_changes_these_prompts(family, family_prompts):
     assert (logits[WINDOW:] - ref_logits[-1][WINDOW:]).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("arch", ["gemma3", slow("qwen2"), slow("phi3"), slow("mistral"),
-                                  slow("qwen3")])
+@pytest.mark.slow  # compiling at tp 2 takes minutes here
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2", "phi3", "mistral", "qwen3"])
 def test_compiled_steps_match_transformers(arch, family, family_prompts):
     """Decode steps through the compiled graph at tp 2: windowed layers read the traced
     kernel under a sliding key mask, Gemma's norms and block order in the graph."""
@@ -114,23 +130,6 @@ def test_compiled_steps_match_transformers(arch, family, family_prompts):
         paths = dict(llm.core.steps_by_path)
     assert [out.token_ids for out in outputs] == ref_greedy
     assert paths.get("graph", 0) >= NEW_TOKENS - 1, paths
-
-
-@pytest.mark.parametrize("arch,comm", [
-    ("qwen3_moe", "shm"), slow("qwen3_moe", "torch"), slow("mixtral", "shm"),
-    ("mixtral", "torch"), ("gemma3", "shm"), slow("gemma3", "torch")])
-def test_overlap_on_equals_off(arch, comm, family, family_prompts):
-    """Two-batch overlap around the experts' all-reduce (and Gemma's sandwich-norm stages):
-    same logits and greedy tokens as one batch, at tp 2."""
-    folder, _ = family(arch)
-    with LLM(folder, tp=2, dtype="fp32", comm=comm, prefix_caching=False) as llm:
-        results = {}
-        for mode in ("on", "off"):
-            llm.policy.overlap = mode
-            results[mode] = (llm.prompt_logits(family_prompts),
-                             [out.token_ids for out in llm.generate(family_prompts, GREEDY)])
-    check_logits(*[results[mode][0] for mode in ("on", "off")])
-    assert results["on"][1] == results["off"][1]
 
 
 @pytest.mark.parametrize("arch", ["gemma3", *(slow(a) for a in FAMILIES if a != "gemma3")])
