@@ -134,6 +134,7 @@ def test_cached_weights_equal_the_dequantised_gguf_and_are_rebuilt_when_truncate
     assert weights_file.stat().st_size == size
 
 
+@pytest.mark.slow  # two cold starts of the embedded model
 def test_no_cache_writes_nothing_and_answers_the_same(tmp_path):
     answers = []
     for flags in (["--no-cache"], []):

@@ -217,7 +217,7 @@ def test_quantized_rows_dequantize_as_the_whole_tensor(arch, tiny_models, tmp_pa
 
 
 @pytest.mark.parametrize("arch", [slow("llama"), slow("mixtral"), slow("qwen2"), slow("qwen3"),
-                                  "qwen3moe", slow("gemma3"), slow("phi3")])
+                                  slow("qwen3moe"), slow("gemma3"), slow("phi3")])
 def test_the_gguf_generates_what_the_folder_does(arch, tiny_models, prompt_ids):
     """Through braid's engine at tp 2: the same greedy tokens, and prompt logits, from the
     GGUF file as from the folder it was written from."""

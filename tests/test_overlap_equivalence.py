@@ -23,7 +23,8 @@ def greedy_with(llm: LLM, overlap: str, prompts) -> list[list[int]]:
     return [out.token_ids for out in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("tp,comm", [(2, "shm"), slow(2, "torch"), slow(3, "shm"), (3, "torch")])
+@pytest.mark.parametrize("tp,comm", [(2, "shm"), slow(2, "torch"), slow(3, "shm"),
+                                     slow(3, "torch")])
 def test_overlap_on_equals_off(tp, comm, model_path, prompt_ids):
     mixed = prompt_ids  # lengths 1..~50: the long prompt is cut in two
     balanced = [prompt_ids[2], prompt_ids[2][::-1]]  # cut between the two sequences

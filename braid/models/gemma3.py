@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from braid.config import ModelConfig, UserError, rope_kind
+from braid.config import ModelConfig, rope_kind
 from braid.distributed.comm import Communicator
 from braid.layers.forward_batch import ForwardBatch
 from braid.layers.mlp import GatedMLP
 from braid.layers.norm import OffsetRMSNorm
-from braid.layers.partition import partition_heads
 from braid.layers.rotary import RotaryEmbedding
 from braid.models.common import DecoderModel
 from braid.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
@@ -99,15 +98,6 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's text decoder (the `Gemma3ForCausalLM` checkpoints: 1B, and the text part of
     larger ones saved as such)."""
-
-    @classmethod
-    def check_config(cls, config: ModelConfig, tp: int) -> None:
-        cfg = config.extra
-        act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"  # transformers ignores hidden_act
-        if act != "gelu_pytorch_tanh":
-            raise UserError(f"Gemma 3 with activation {act!r} is not supported "
-                            "(braid computes gelu_pytorch_tanh)")
-        partition_heads(config.num_heads, config.num_kv_heads, tp)
 
     def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
         cfg = config.extra

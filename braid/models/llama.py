@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from braid.config import ModelConfig, UserError
+from braid.config import ModelConfig
 from braid.distributed.comm import Communicator
 from braid.layers.attention import PagedAttention
 from braid.layers.forward_batch import ForwardBatch
@@ -114,10 +114,6 @@ class LlamaForCausalLM(CausalLM):
     @classmethod
     def check_config(cls, config: ModelConfig, tp: int) -> None:
         partition_heads(config.num_heads, config.num_kv_heads, tp)
-        act = config.extra.get("hidden_act", "silu")
-        if act != "silu":
-            raise UserError(f"{config.architecture} with hidden_act {act!r} is not supported "
-                            "(braid computes silu)")
 
     @classmethod
     def describe_split(cls, config: ModelConfig, tp: int) -> str:

@@ -7,23 +7,15 @@ from collections.abc import Iterable
 
 import torch
 
-from braid.config import ModelConfig, UserError, rope_kind
+from braid.config import ModelConfig, rope_kind
 from braid.layers.rotary import RotaryEmbedding
 from braid.loader.weights import LazyWeight, RowSlice
 from braid.models.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    """Phi-3 (and Phi-3.5, Phi-4-mini where its rotary covers whole heads)."""
-
-    @classmethod
-    def check_config(cls, config: ModelConfig, tp: int) -> None:
-        super().check_config(config, tp)
-        partial = (config.rope_scaling or {}).get(
-            "partial_rotary_factor", config.extra.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            raise UserError(f"{config.architecture} with partial_rotary_factor {partial} is not "
-                            "supported (braid rotates whole heads)")
+    """Phi-3 and Phi-3.5 (a partial rotary, as Phi-4-mini's, is refused by
+    `config_fields`)."""
 
     @classmethod
     def attention_options(cls, config: ModelConfig, index: int, dtype: torch.dtype) -> dict:
