@@ -40,10 +40,12 @@ ARCHITECTURES = {
 
 
 def write_gguf(folder: str | Path, out: str | Path,
-               qtype: GGMLQuantizationType | None = None) -> Path:
+               qtype: GGMLQuantizationType | None = None,
+               renamed_tokens: dict[int, str] | None = None) -> Path:
     """Write the model in `folder` as the GGUF file `out`: F32 tensors, or `qtype` for the
     matrices whose rows hold whole quantization blocks (norms and biases stay F32, as
-    llama.cpp keeps them)."""
+    llama.cpp keeps them). `renamed_tokens` gives some of the vocabulary's tokens other
+    texts (id -> text)."""
     folder, out = Path(folder), Path(out)
     cfg = json.loads((folder / "config.json").read_text())
     arch = ARCHITECTURES[cfg["architectures"][0]]
@@ -53,7 +55,7 @@ def write_gguf(folder: str | Path, out: str | Path,
         tensors.update(load_file(str(file)))
     writer = GGUFWriter(str(out), arch)
     _write_metadata(writer, cfg, arch)
-    _copy_tokenizer(writer, cfg)
+    _copy_tokenizer(writer, cfg, renamed_tokens or {})
     names = gguf.TensorNameMap(model_arch, cfg["num_hidden_layers"])
     for name, tensor in _converted(cfg, arch, tensors):
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -195,8 +197,9 @@ def _tokenizer_fields() -> tuple[tuple[str, object, list[GGUFValueType]], ...]:
                  for key, field in reader.fields.items() if key.startswith("tokenizer."))
 
 
-def _copy_tokenizer(writer: GGUFWriter, cfg: dict) -> None:
-    """The embedded model's tokenizer keys, with the folder's own BOS and EOS ids."""
+def _copy_tokenizer(writer: GGUFWriter, cfg: dict, renamed: dict[int, str]) -> None:
+    """The embedded model's tokenizer keys, with the folder's own BOS and EOS ids and the
+    `renamed` tokens' texts."""
     own = {gguf.Keys.Tokenizer.BOS_ID: cfg.get("bos_token_id"),
            gguf.Keys.Tokenizer.EOS_ID: cfg.get("eos_token_id")}
     for key, value in own.items():
@@ -207,5 +210,7 @@ def _copy_tokenizer(writer: GGUFWriter, cfg: dict) -> None:
     for key, value, types in _tokenizer_fields():
         if own.get(key) is not None:
             continue
+        if key == gguf.Keys.Tokenizer.LIST and renamed:
+            value = [renamed.get(i, token) for i, token in enumerate(value)]
         sub_type = types[-1] if types[0] == GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, types[0], sub_type)

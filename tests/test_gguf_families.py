@@ -256,3 +256,26 @@ def test_an_unknown_gguf_architecture_names_the_supported_ones(tmp_path):
     with pytest.raises(UserError, match=r"'gpt2' is not supported \(supported: llama, qwen2, "
                                         r"qwen3, qwen3moe, gemma3, phi3\)"):
         load_model_config(str(path), use_cache=False)
+
+
+def test_control_tokens_that_are_not_ascii_keep_their_ids(tiny_models, tmp_path):
+    """DeepSeek-R1-Distill-Qwen's GGUF names its chat markers `<｜User｜>`...: transformers'
+    conversion alone mangles such control tokens and appends the BOS and EOS past the
+    vocabulary; braid's tokenizer keeps each whole at its id."""
+    from transformers import AutoTokenizer
+
+    from braid.engine.tokenizer import load_tokenizer
+
+    renamed = {1: "<｜User｜>", 2: "<｜Assistant｜>"}  # SmolLM2's <|im_start|>, <|im_end|>
+    path = write_gguf(tiny_models("llama").folder, tmp_path / "renamed.gguf",
+                      renamed_tokens=renamed)
+    converted = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert converted.encode("<｜User｜>", add_special_tokens=False) != [1]  # the bug guarded
+    tokenizer = load_tokenizer(str(path), use_cache=False)
+    text = "<｜User｜>Hello<｜Assistant｜>"
+    assert tokenizer.encode(text, add_special_tokens=False) == [
+        1, *tokenizer.encode("Hello", add_special_tokens=False), 2]
+    assert tokenizer.eos_token_id == 2
+    assert tokenizer.decode([1, 2]) == "<｜User｜><｜Assistant｜>"
+    # the BOS and EOS (ids 1 and 2 here) the conversion appended past the vocabulary are gone
+    assert len(tokenizer) == len(converted) - 2 == tokenizer.vocab_size

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from importlib.metadata import version
 from pathlib import Path
 
 from braid.cache import cached
 from braid.config import ModelConfig, UserError
+from braid.loader.gguf import gguf_control_tokens
 
 
 def load_tokenizer(model: str, use_cache: bool = True):
@@ -26,7 +28,8 @@ def load_tokenizer(model: str, use_cache: bool = True):
         return AutoTokenizer.from_pretrained(str(path))
 
     def convert():
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return restore_control_tokens(tokenizer, gguf_control_tokens(str(path)))
 
     def build(folder: Path) -> None:
         convert().save_pretrained(str(folder))
@@ -38,6 +41,43 @@ def load_tokenizer(model: str, use_cache: bool = True):
     variant = f"transformers-{version('transformers')}"
     tokenizer = cached(path, "tokenizer", build, load, variant) if use_cache else None
     return tokenizer or convert()
+
+
+def restore_control_tokens(tokenizer, control: dict[int, tuple[str, bool]]):
+    """`tokenizer` (converted from a GGUF file by transformers) with the file's control and
+    user-defined tokens `control` (`gguf_control_tokens`) whole at their own ids.
+
+    transformers' conversion of a byte-level BPE vocabulary maps every token through the
+    byte-to-unicode table, so a token that is not ASCII (DeepSeek-R1-Distill-Qwen's
+    `<｜User｜>`, `<｜begin▁of▁sentence｜>`) lands at its id under a mangled name and is not an
+    added token: the chat template's markers then tokenize as several pieces and the BOS and
+    EOS are appended as new ids past the model's vocabulary. Those tokens are renamed back and
+    added at their ids; tokens the conversion kept are left as they are."""
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = state["model"].get("vocab")
+    if not isinstance(vocab, dict):
+        return tokenizer
+    names = {i: name for name, i in vocab.items()}
+    added = {entry["id"]: entry for entry in state["added_tokens"]}
+    restored = {}
+    for i, (text, special) in control.items():
+        if names.get(i, text) == text or added.get(i, {}).get("content") == text:
+            continue
+        vocab.pop(names[i])
+        vocab[text] = i
+        restored[text] = i
+        added[i] = {"id": i, "content": text, "single_word": False, "lstrip": False,
+                    "rstrip": False, "normalized": False, "special": special}
+    if not restored:
+        return tokenizer
+    # the same texts appended past the vocabulary by the conversion go
+    state["added_tokens"] = sorted(
+        (entry for i, entry in added.items() if restored.get(entry["content"], i) == i),
+        key=lambda entry: entry["id"])
+    from tokenizers import Tokenizer
+
+    tokenizer._tokenizer = Tokenizer.from_str(json.dumps(state))
+    return tokenizer
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer) -> frozenset[int]:

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, Keys
+from gguf import GGMLQuantizationType, GGUFReader, Keys, TokenType
 from gguf.quants import dequantize
 
 from braid.config import ModelConfig
@@ -68,6 +68,22 @@ def gguf_config(path: str) -> dict:
         return np.asarray(tensors[name].data, dtype=np.float32).tolist()
 
     return config_dict(family, get, {name: _shape(t) for name, t in tensors.items()}, values)
+
+
+def gguf_control_tokens(path: str) -> dict[int, tuple[str, bool]]:
+    """The file's control and user-defined tokens: id -> (text, whether it is special, i.e. a
+    control token), as the tokenizer must keep them: whole, at their ids."""
+    reader = _reader(path)
+    tokens = reader.fields.get(Keys.Tokenizer.LIST)
+    kinds = reader.fields.get(Keys.Tokenizer.TOKEN_TYPE)
+    if tokens is None or kinds is None:
+        return {}
+    kept = {}
+    for i, (token, kind) in enumerate(zip(tokens.data, kinds.data)):
+        kind = int(kinds.parts[kind][0])
+        if kind in (TokenType.CONTROL, TokenType.USER_DEFINED):
+            kept[i] = (bytes(tokens.parts[token]).decode(), kind == TokenType.CONTROL)
+    return kept
 
 
 def unpermute_rotary(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
