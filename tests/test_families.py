@@ -154,3 +154,30 @@ def test_a_served_chat_uses_the_family_template(arch, family, tokenizer, tmp_pat
     assert reply.usage.prompt_tokens == len(expected)
     assert reply.usage.completion_tokens >= 1
     assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_phi3_longrope_matches_transformers_within_the_original_context(family, tmp_path):
+    """LongRoPE (Phi-3.5, Phi-3-128k): the short factors and the attention factor of a
+    stretched context, at positions below the original context (beyond it transformers
+    switches every position of a pass to the long factors; braid switches per position)."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "phi3-longrope"
+    shutil.copytree(family("phi3")[0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    half = config["hidden_size"] // config["num_attention_heads"] // 2
+    config.update(original_max_position_embeddings=64, max_position_embeddings=256,
+                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                   "short_factor": [1.0 + i / half for i in range(half)],
+                                   "long_factor": [2.0 + i for i in range(half)]})
+    (folder / "config.json").write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    prompts = [list(range(1000, 1040)), list(range(5000, 5030))]
+    ref_logits, ref_greedy = reference(model, prompts)
+    with LLM(str(folder), dtype="fp32") as llm:
+        check_logits(llm.prompt_logits(prompts), ref_logits)
+        assert [out.token_ids for out in llm.generate(prompts, GREEDY)] == ref_greedy

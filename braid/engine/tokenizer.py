@@ -9,7 +9,6 @@ from pathlib import Path
 
 from braid.cache import cached
 from braid.config import ModelConfig, UserError
-from braid.loader.gguf import gguf_control_tokens
 
 
 def load_tokenizer(model: str, use_cache: bool = True):
@@ -28,6 +27,8 @@ def load_tokenizer(model: str, use_cache: bool = True):
         return AutoTokenizer.from_pretrained(str(path))
 
     def convert():
+        from braid.loader.gguf import gguf_control_tokens  # not in rank processes: see test_launch
+
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         return restore_control_tokens(tokenizer, gguf_control_tokens(str(path)))
 
