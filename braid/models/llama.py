@@ -101,7 +101,7 @@ class LlamaForCausalLM(CausalLM):
     """Llama with a vocabulary-parallel LM head; returns logits of the requested tokens.
 
     The families built on it override the class methods that say how a layer differs:
-    `attention_options` (biases, head norms, window), `make_mlp` and `rope_scaling`."""
+    `attention_options` (biases, head norms, window), `make_mlp` and `make_rotary`."""
 
     # Checkpoint tensors fused into one parameter: (our segment, checkpoint segment, shard id).
     stacked_params = (
