@@ -65,19 +65,20 @@ class AttentionMetadata:
         else a copy whose decode key mask and prefill masks leave out the older keys (every
         sequence then attends on its own, under its mask). Built once per step per window,
         for all layers of that window."""
+        narrowed = self._windowed.get(window)
+        if narrowed is None:
+            narrowed = self._windowed[window] = self._narrowed(window)
+        return narrowed
+
+    def _narrowed(self, window: int) -> AttentionMetadata:
         if max(self.kv_lens) <= window:
             return self
-        if window not in self._windowed:
-            if self.decode:
-                narrowed = replace(self, key_mask=sliding_key_mask(self.key_mask, self.seq_lens,
-                                                                   window), _windowed={})
-            else:
-                masks = [prefix_causal_mask(q, kv - q, self.device, window)
-                         if kv > window else mask
-                         for q, kv, mask in zip(self.q_lens, self.kv_lens, self.masks)]
-                narrowed = replace(self, equal_fresh=False, masks=masks, _windowed={})
-            self._windowed[window] = narrowed
-        return self._windowed[window]
+        if self.decode:
+            return replace(self, key_mask=sliding_key_mask(self.key_mask, self.seq_lens, window),
+                           _windowed={})
+        masks = [prefix_causal_mask(q, kv - q, self.device, window) if kv > window else mask
+                 for q, kv, mask in zip(self.q_lens, self.kv_lens, self.masks)]
+        return replace(self, equal_fresh=False, masks=masks, _windowed={})
 
 
 @dataclass

@@ -28,12 +28,11 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         name)."""
         scaling = config.rope_scaling
         if scaling is not None and rope_kind(scaling) in ("longrope", "su"):
-            original = (config.extra.get("original_max_position_embeddings")
-                        or scaling["original_max_position_embeddings"])
+            top_level = config.extra.get("original_max_position_embeddings")
             scaling = {**scaling, "rope_type": "longrope",
-                       "original_max_position_embeddings": original,
-                       "factor": (config.max_position_embeddings / original
-                                  if config.extra.get("original_max_position_embeddings")
+                       "original_max_position_embeddings":
+                           top_level or scaling["original_max_position_embeddings"],
+                       "factor": (config.max_position_embeddings / top_level if top_level
                                   else scaling.get("factor", 1.0))}
         return RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                config.rope_theta, scaling)
