@@ -16,6 +16,7 @@ from braid.config import (
     COMPILE_CHOICES,
     DTYPE_CHOICES,
     KV_CACHE_DTYPES,
+    SPECULATIVE_CHOICES,
     SWITCH_CHOICES,
     EngineConfig,
     UserError,
@@ -88,6 +89,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "generate/LLM when the job repays it; on: always at start; off: "
                              "eager. Eager steps of 128+ tokens fuse their elementwise work "
                              "unless off")
+    parser.add_argument("--speculative", choices=SPECULATIVE_CHOICES, default="off",
+                        help="speculative decoding: ngram proposes the tokens that followed the "
+                             "latest earlier occurrence of a sequence's last n tokens in its "
+                             "own prompt and output (prompt lookup); each step verifies them "
+                             "and keeps the longest accepted run, exactly (outputs are plain "
+                             "decoding's); proposals are sized per step from the measured "
+                             "acceptance and step times")
+    parser.add_argument("--speculative-tokens", type=int, default=EngineConfig.speculative_tokens,
+                        help="most tokens a sequence proposes per step")
+    parser.add_argument("--ngram-min", type=int, default=EngineConfig.ngram_min,
+                        help="shortest suffix --speculative ngram looks up")
+    parser.add_argument("--ngram-max", type=int, default=EngineConfig.ngram_max,
+                        help="longest suffix --speculative ngram looks up (tried first)")
     parser.add_argument("--no-cache", dest="cache", action="store_false",
                         help="neither read nor write braid's cache ($XDG_CACHE_HOME/braid): "
                              "what is derived from a GGUF file (config, tokenizer, dequantised "
@@ -114,7 +128,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 device=args.device, trace=args.trace, cache=args.cache,
                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                 weight_packing=args.weight_packing,
-                compile=args.compile)
+                compile=args.compile, speculative=args.speculative,
+                speculative_tokens=args.speculative_tokens, ngram_min=args.ngram_min,
+                ngram_max=args.ngram_max)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -271,7 +287,9 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--dataset-name", choices=DATASETS, default="random-ids",
                         help="random-ids: random token ids (no file); random: ShareGPT text "
-                             "cut to the drawn lengths; sharegpt: ShareGPT turns as they are")
+                             "cut to the drawn lengths; sharegpt: ShareGPT turns as they are; "
+                             "copy-edit: copy braid's own source with one rename (no file; "
+                             "for n-gram speculative decoding)")
     parser.add_argument("--dataset-path", default=None, help="a ShareGPT JSON file")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--random-input-len", type=int, default=1024)

@@ -1,9 +1,10 @@
-"""bench-serving against a stub server that fails some requests, eval-mmlu (braid against
-transformers on the same prompts), and braid plot."""
+"""bench-serving against a stub server that fails some requests, its copy-edit dataset, eval-mmlu
+(braid against transformers on the same prompts), and braid plot."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -16,7 +17,10 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from server_utils import free_port
 
+from braid.bench.datasets import sample_requests
 from braid.bench.serving import ServingConfig, run_bench_serving
+from braid.config import UserError
+from braid.engine.tokenizer import apply_chat_template
 from braid.eval.mmlu import format_example, load_questions, subject_header
 
 MMLU = Path(__file__).resolve().parents[2] / "shared" / "data" / "mmlu"
@@ -97,6 +101,32 @@ def test_bench_serving_counts_failed_requests_and_uses_sglangs_keys(stub_server,
     assert row["mean_ttft_ms"] <= row["mean_e2e_latency_ms"]
     assert set(SGLANG_KEYS) <= set(json.loads(out.read_text()))
     assert (tmp_path / "run.png").stat().st_size > 0
+
+
+def test_copy_edit_asks_to_rename_a_name_of_its_snippet_within_the_lengths(tokenizer):
+    lens = {"input_len": 400, "output_len": 300, "range_ratio": 0.5}
+    requests = sample_requests("copy-edit", 16, tokenizer, seed=7, **lens)
+    assert len(requests) == 16
+    assert requests == sample_requests("copy-edit", 16, tokenizer, seed=7, **lens)
+    assert requests != sample_requests("copy-edit", 16, tokenizer, seed=8, **lens)
+    # the text after the user's turn, so that the snippet is what lies before it
+    suffix = tokenizer.decode(apply_chat_template(tokenizer, "MARK")).split("MARK")[1]
+    kinds = set()
+    for request in requests:
+        assert request.prompt_len <= 400 and 1 <= request.output_len <= 300
+        assert request.prompt_ids == tokenizer.encode(request.prompt, add_special_tokens=False)
+        instruction = re.search(r"(rename|replace the word) `(\w+)` (?:to|with) `(\w+)`\. "
+                                r"Output only the (?:code|text)\.\n\n", request.prompt)
+        kind, old, new = instruction.groups()
+        kinds.add(kind)
+        assert request.prompt.endswith(suffix)
+        snippet = request.prompt[instruction.end():-len(suffix)]
+        assert re.search(rf"\b{old}\b", snippet) and not re.search(rf"\b{new}\b", snippet)
+        answer = re.sub(rf"\b{old}\b", new, snippet)
+        assert request.output_len <= len(tokenizer.encode(answer, add_special_tokens=False))
+    assert kinds == {"rename", "replace the word"}
+    with pytest.raises(UserError, match="--random-input-len of at least"):
+        sample_requests("copy-edit", 1, tokenizer, input_len=20)
 
 
 def test_mmlu_prompt_is_the_original_format(tmp_path):

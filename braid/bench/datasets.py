@@ -4,7 +4,15 @@
 - `random-ids`: prompt i is the token ids `(offset_i + i + j) % vocab` for j < its length,
   decoded to text (no dataset file needed);
 - `random`: ShareGPT first turns, truncated or repeated to the drawn length;
-- `sharegpt`: ShareGPT first turns and answers as they are (output length: the answer's).
+- `sharegpt`: ShareGPT first turns and answers as they are (output length: the answer's);
+- `copy-edit`: "rewrite exactly, with one change" instructions whose answer repeats the prompt's
+  snippet (the case speculative decoding by n-gram lookup pays in): 15-40 consecutive lines of
+  one of braid's own modules with an identifier to rename, or one of its docstrings with a word
+  to replace (no file needed), as a user turn in the tokenizer's chat template (plain text if it
+  has none). Lines are dropped from the snippet's end until the prompt fits its drawn length
+  (raised to the shortest that leaves room for a snippet); the output length is the edited
+  snippet's token count, capped by the drawn output length. The snippets are braid's source,
+  so a given `--seed` gives the same requests for one braid version.
 
 Lengths are uniform in [max(1, len * range_ratio), len] (`--random-range-ratio`, default 0.0);
 the same `--seed` gives the same requests.
@@ -12,8 +20,14 @@ the same `--seed` gives the same requests.
 
 from __future__ import annotations
 
+import ast
+import builtins
+import functools
 import json
+import keyword
 import random
+import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +35,7 @@ import numpy as np
 
 from braid.config import UserError
 
-DATASETS = ["random-ids", "random", "sharegpt"]
+DATASETS = ["random-ids", "random", "sharegpt", "copy-edit"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,8 @@ def sample_requests(name: str, num_prompts: int, tokenizer, *, input_len: int = 
         return _sharegpt(_load_sharegpt(dataset_path), num_prompts, tokenizer)
     input_lens = random_lens(input_len, range_ratio, num_prompts)
     output_lens = random_lens(output_len, range_ratio, num_prompts)
+    if name == "copy-edit":
+        return _copy_edit(tokenizer, input_len, input_lens, output_lens)
     if name == "random-ids":
         vocab = len(tokenizer)
         offsets = np.random.randint(0, vocab, size=num_prompts)
@@ -105,3 +121,133 @@ def _sharegpt(conversations: list[tuple[str, str]], num_prompts: int,
         if len(requests) == num_prompts:
             return requests
     raise UserError(f"the dataset has only {len(requests)} usable conversations")
+
+
+# copy-edit: a snippet of braid's own source and the instruction to copy it with one edit.
+COPY_EDIT_LINES = (15, 40)  # consecutive source lines a code snippet is drawn with
+COPY_EDIT_MIN_SNIPPET = 64  # tokens of snippet every prompt leaves room for
+COPY_EDIT_MIN_WORDS = 40  # a docstring shorter than this is not a paragraph of prose
+_INSTRUCTIONS = {
+    "code": "Rewrite the following code exactly, with one change: rename `{old}` to `{new}`. "
+            "Output only the code.\n\n{snippet}",
+    "prose": "Rewrite the following text exactly, with one change: replace the word `{old}` "
+             "with `{new}`. Output only the text.\n\n{snippet}",
+}
+_NOT_RENAMED = set(keyword.kwlist) | set(keyword.softkwlist) | set(dir(builtins)) | {"self", "cls"}
+
+
+def _copy_edit_names(kind: str, snippet: str) -> list[tuple[str, str]]:
+    """(old, new) edits a copy-edit prompt may ask for in `snippet`, sorted: identifiers of at
+    least three characters (no keywords or builtins) renamed with a `new_`/`New` prefix, or
+    lowercase words of at least four letters replaced by their uppercase; never a new name that
+    the snippet already holds."""
+    if kind == "code":
+        olds = {w for w in re.findall(r"\b[A-Za-z_][A-Za-z0-9_]{2,}\b", snippet)
+                if w not in _NOT_RENAMED}
+    else:
+        olds = set(re.findall(r"\b[a-z]{4,}\b", snippet))
+    edits = []
+    for old in sorted(olds):
+        if kind == "prose":
+            new = old.upper()
+        else:
+            stem = old.lstrip("_")
+            new = old[:len(old) - len(stem)] + ("New" if stem[0].isupper() else "new_") + stem
+        if not re.search(rf"\b{re.escape(new)}\b", snippet):
+            edits.append((old, new))
+    return edits
+
+
+@functools.lru_cache(maxsize=1)
+def _braid_sources() -> tuple[list[list[str]], list[list[str]]]:
+    """The lines of braid's modules (those long enough for a snippet) and of its docstrings of
+    at least COPY_EDIT_MIN_WORDS words, in path order."""
+    import braid
+
+    code, prose = [], []
+    for path in sorted(Path(braid.__file__).parent.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        if len(lines) >= COPY_EDIT_LINES[0]:
+            code.append(lines)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                 ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc.split()) >= COPY_EDIT_MIN_WORDS:
+                    prose.append(doc.splitlines())
+    return code, prose
+
+
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    """`text` as one user turn in the tokenizer's chat template (the request goes to the
+    completions endpoint, which applies none), or as plain text where it has none."""
+    if getattr(tokenizer, "chat_template", None):
+        from braid.engine.tokenizer import apply_chat_template
+
+        return apply_chat_template(tokenizer, text)
+    return list(tokenizer.encode(text))
+
+
+def _draw_snippet(kind: str) -> list[str]:
+    """The lines of one snippet: a window of consecutive lines of a module (dedented, without
+    blank lines at its ends) or a whole docstring."""
+    code, prose = _braid_sources()
+    if kind == "prose":
+        return random.choice(prose)
+    lines = random.choice(code)
+    size = random.randint(*COPY_EDIT_LINES)
+    start = random.randint(0, max(0, len(lines) - size))
+    return textwrap.dedent("\n".join(lines[start:start + size])).strip("\n").splitlines()
+
+
+def _fit_copy_edit(kind: str, lines: list[str], budget: int,
+                   tokenizer) -> tuple[list[int], str] | None:
+    """(the prompt's ids, the expected answer) for the longest head of `lines` whose
+    prompt takes at most `budget` tokens; None if no head does."""
+    count, edit = len(lines), None
+    while count > 0:
+        snippet = "\n".join(lines[:count])
+        edits = _copy_edit_names(kind, snippet)
+        if not edits:
+            count -= 1
+            continue
+        if edit not in edits:
+            edit = random.choice(edits)
+        old, new = edit
+        text = _INSTRUCTIONS[kind].format(old=old, new=new, snippet=snippet)
+        ids = _chat_ids(tokenizer, text)
+        if len(ids) <= budget:
+            return ids, re.sub(rf"\b{re.escape(old)}\b", new, snippet)
+        # Lines in proportion to the budget (never fewer than fit: the template's tokens are
+        # counted with the snippet's), then one at a time.
+        count = min(count - 1, count * budget // len(ids))
+    return None
+
+
+def _copy_edit(tokenizer, input_len: int, input_lens: np.ndarray,
+               output_lens: np.ndarray) -> list[BenchRequest]:
+    overhead = max(len(_chat_ids(tokenizer, t.format(old="", new="", snippet="")))
+                   for t in _INSTRUCTIONS.values())
+    shortest = overhead + COPY_EDIT_MIN_SNIPPET
+    if input_len < shortest:
+        raise UserError(f"--dataset-name copy-edit needs --random-input-len of at least "
+                        f"{shortest} (the instruction in the chat template takes {overhead} "
+                        f"tokens, the snippet at least {COPY_EDIT_MIN_SNIPPET})")
+    requests = []
+    for drawn_in, drawn_out in zip(input_lens, output_lens):
+        budget = max(int(drawn_in), shortest)
+        # A snippet with a line too long for the budget is drawn again.
+        for _ in range(100):
+            kind = random.choice(("code", "prose"))
+            fitted = _fit_copy_edit(kind, _draw_snippet(kind), budget, tokenizer)
+            if fitted:
+                break
+        else:
+            raise UserError(f"no copy-edit snippet fits in {budget} tokens: raise "
+                            f"--random-input-len")
+        ids, answer = fitted
+        expected = len(tokenizer.encode(answer, add_special_tokens=False))
+        requests.append(BenchRequest(tokenizer.decode(ids), ids,
+                                     max(1, min(int(drawn_out), expected))))
+    return requests
