@@ -22,6 +22,7 @@ COMPILE_CHOICES = ["auto", "on", "off"]
 # --kv-cache-dtype: the model's dtype (auto), or int8 with one scale per token and KV head
 # (half the cache's bytes in bf16; braid.layers.attention's write_cache and gather_blocks).
 KV_CACHE_DTYPES = ["auto", "int8"]
+SPECULATIVE_CHOICES = ["off", "ngram"]
 # `--dp-linear auto` from this many tokens per step. Measured (bench-dp-linear, the bench
 # preset's 2048 -> 2112 projection at tp 2): on the 2-core CPU host the token split already pays
 # at 32 tokens (0.79x per rank; 0.49-0.57x from 256); on an H200 the bf16 GEMM takes as long for
@@ -229,6 +230,12 @@ class EngineConfig:
     # compiled steps (braid.engine.compiled_step) and fused elementwise kernels in eager steps
     # (braid.layers.fused): auto (serve at start, generate when the job repays it), on, off
     compile: str = "auto"
+    # speculative decoding (braid.engine.speculation): the proposer, the most tokens a
+    # sequence proposes per step, and the n-gram lengths prompt lookup matches
+    speculative: str = "off"
+    speculative_tokens: int = 8
+    ngram_min: int = 2
+    ngram_max: int = 4
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -272,6 +279,14 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise UserError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                             f"got {self.kv_cache_dtype!r}")
+        if self.speculative not in SPECULATIVE_CHOICES:
+            raise UserError(f"--speculative must be one of {', '.join(SPECULATIVE_CHOICES)}, "
+                            f"got {self.speculative!r}")
+        if self.speculative_tokens < 1:
+            raise UserError("--speculative-tokens must be at least 1")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise UserError(f"--ngram-min and --ngram-max must satisfy 1 <= min <= max, got "
+                            f"{self.ngram_min} and {self.ngram_max}")
         if self.max_running_requests < 1:
             raise UserError("--max-running-requests must be at least 1")
         if not self.max_skip_age_s >= 0:

@@ -9,6 +9,7 @@ detokenizing and stop strings belong to the front ends.
 from __future__ import annotations
 
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,7 @@ from braid.engine.request import (
     request_failure,
 )
 from braid.engine.scheduler import Scheduler
+from braid.engine.speculation import NgramProposer, Speculator
 from braid.engine.tokenizer import eos_token_ids, load_tokenizer
 from braid.engine.worker import worker_main
 from braid.loader.weight_cache import prepare_gguf_weights
@@ -149,6 +151,8 @@ class EngineStats:
     num_steps_dp_linear: int
     steps_by_path: dict[str, int]  # `StepResult.path` -> steps that took it
     num_sequences_received: int = 0  # every sequence of every request `add` was given
+    num_draft_tokens: int = 0  # tokens proposed by speculative decoding and verified
+    num_accepted_tokens: int = 0  # ... and accepted
     grammar: GrammarTimes = field(default_factory=GrammarTimes)
 
 
@@ -212,6 +216,9 @@ class EngineCore:
         self.steps_by_path: Counter[str] = Counter()
         self.last_path = ""  # the path the latest step took (`StepResult.path`)
         self.compiled = False
+        self.speculator = (Speculator(NgramProposer(config.ngram_min, config.ngram_max),
+                                      config.speculative_tokens)
+                           if config.speculative == "ngram" else None)
 
     def compile_steps(self, job_tokens: int | None = None) -> None:
         """Compile (or load saved) steps where `--compile` asks for them: `on` at once, `auto`
@@ -284,6 +291,8 @@ class EngineCore:
         """Run one scheduled step; one delta per sequence that got a token or finished
         (nothing when nothing is waiting or running). A sequence whose plan cannot be built
         fails alone; the others run."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.decoding())
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -334,7 +343,10 @@ class EngineCore:
                 mask_errors.update({constrained[i][0]: error for i, error in errors.items()})
                 return mask
 
+        start = time.perf_counter()
         result = self.executor.step(plan, fill_masks)
+        if self.speculator is not None and (plan.q_lens == 1).all():
+            self.speculator.observe_step(len(plan.q_lens), time.perf_counter() - start)
         if result.step_id != plan.step_id:
             raise EngineError(f"rank 0 answered step {result.step_id} when asked for step "
                               f"{plan.step_id}: a reply was left over from an interrupted step")
@@ -355,6 +367,7 @@ class EngineCore:
                            s.prefix_hits, s.num_preemptions, self.num_steps,
                            self.num_steps_overlap, self.num_steps_dp_linear,
                            dict(self.steps_by_path), self.num_sequences_received,
+                           s.num_draft_tokens, s.num_accepted_tokens,
                            replace(self.grammars.times))
 
     def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:

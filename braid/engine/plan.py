@@ -4,6 +4,12 @@ Logits are computed only where something needs them: the last token of a sequenc
 yields its next token (one sampling row each), and, for requests that asked for prompt
 logprobs, every prompt position whose next prompt token is scored. A chunk in the middle of a
 prompt needs none.
+
+A decoding sequence with proposed tokens (`Sequence.draft`, speculative decoding) is verified
+as k + 1 decode rows: row j holds token j of `[last token, draft...]`, attends to the sequence's
+keys up to and including its own position (the rows write their keys before any row attends,
+so row j sees rows 0..j-1 of the same step) and samples the token that follows it. Every
+attention path, the compiled decode graph included, thus scores k + 1 positions unchanged.
 """
 
 from __future__ import annotations
@@ -18,31 +24,45 @@ from braid.engine.request import Sequence
 
 @dataclass(frozen=True)
 class SequenceRows:
-    """Where a sequence's results are in the step's answer: its sampling row (None: the step
-    ends inside its prompt) and its run of prompt-logprob rows."""
+    """Where a sequence's results are in the step's answer: its first sampling row (None: the
+    step ends inside its prompt), how many consecutive sampling rows it has (1 + its draft's
+    length), and its run of prompt-logprob rows."""
 
     sample_row: int | None
     prompt_start: int
     prompt_count: int
+    num_sample_rows: int = 1
+
+
+def _attention_rows(seq: Sequence) -> list[tuple[int, int]]:
+    """(first token, end) of each attention row the sequence contributes: one row for its
+    scheduled tokens, or one decode row per token when it verifies a draft."""
+    start = seq.num_computed
+    if seq.draft:
+        return [(p, p + 1) for p in range(start, start + seq.scheduled_tokens)]
+    return [(start, start + seq.scheduled_tokens)]
 
 
 def build_plan(batch: list[Sequence], block_size: int,
                step_id: int) -> tuple[StepPlan, list[SequenceRows]]:
-    """The plan of one step in which each sequence computes its `scheduled_tokens` tokens."""
-    q_lens = np.array([s.scheduled_tokens for s in batch], dtype=np.int64)
-    kv_lens = np.array([s.num_computed + s.scheduled_tokens for s in batch], dtype=np.int64)
-    positions = np.concatenate([np.arange(s.num_computed, end)
-                                for s, end in zip(batch, kv_lens)]).astype(np.int64)
-    input_ids = np.array([t for s, end in zip(batch, kv_lens)
-                          for t in s.token_slice(s.num_computed, int(end))], dtype=np.int64)
-    tables = np.zeros((len(batch), max(len(s.blocks) for s in batch)), dtype=np.int64)
-    for row, s in enumerate(batch):
-        tables[row, :len(s.blocks)] = s.blocks
-    seq_index = np.repeat(np.arange(len(batch)), q_lens)
-    slots = tables[seq_index, positions // block_size] * block_size + positions % block_size
+    """The plan of one step in which each sequence computes its `scheduled_tokens` tokens
+    (its last token and its draft, for a sequence with a draft)."""
+    attention = [(seq, start, end) for seq in batch for start, end in _attention_rows(seq)]
+    q_lens = np.array([end - start for _, start, end in attention], dtype=np.int64)
+    kv_lens = np.array([end for _, _, end in attention], dtype=np.int64)
+    positions = np.concatenate([np.arange(start, end) for _, start, end in attention]
+                               ).astype(np.int64)
+    input_ids = np.array([t for seq in batch for t in seq.token_slice(
+        seq.num_computed, seq.num_computed + seq.scheduled_tokens - len(seq.draft)) + seq.draft],
+        dtype=np.int64)
+    tables = np.zeros((len(attention), max(len(s.blocks) for s in batch)), dtype=np.int64)
+    for row, (seq, _, _) in enumerate(attention):
+        tables[row, :len(seq.blocks)] = seq.blocks
+    row_index = np.repeat(np.arange(len(attention)), q_lens)
+    slots = tables[row_index, positions // block_size] * block_size + positions % block_size
 
     logit_rows: list[int] = []
-    sampled: list[Sequence] = []
+    sampled: list[tuple[Sequence, int]] = []  # (sequence, how many draft tokens precede)
     sample_rows: list[int] = []
     scored: list[tuple[int, int, int]] = []  # (logit row, target token, alternatives)
     layout = []
@@ -59,12 +79,15 @@ def build_plan(batch: list[Sequence], block_size: int,
                                seq.params.prompt_logprobs))
                 logit_rows.append(offset + pos - start)
         sample_row = None
-        if end == seq.num_tokens:  # the step yields the sequence's next token
+        verified = len(seq.draft) + 1
+        if end == seq.num_tokens + len(seq.draft):  # the step yields the sequence's next token
             sample_row = len(sampled)
-            sampled.append(seq)
-            sample_rows.append(len(logit_rows))
-            logit_rows.append(offset + end - 1 - start)
-        layout.append(SequenceRows(sample_row, prompt_start, len(scored) - prompt_start))
+            for j in range(verified):
+                sampled.append((seq, j))
+                sample_rows.append(len(logit_rows))
+                logit_rows.append(offset + end - verified + j - start)
+        layout.append(SequenceRows(sample_row, prompt_start, len(scored) - prompt_start,
+                                   verified))
         offset += seq.scheduled_tokens
 
     prompt_logprobs = None
@@ -79,38 +102,41 @@ def build_plan(batch: list[Sequence], block_size: int,
     return plan, layout
 
 
-def sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
-    """Sampling rows for sequences about to get their next token."""
-    params = [s.params for s in seqs]
+def sampling_batch(rows: list[Sequence] | list[tuple[Sequence, int]]) -> SamplingBatch:
+    """Sampling rows for sequences about to get their next token: a sequence, or (sequence,
+    j) for the row that follows the first j tokens of its draft (its output positions, seeds,
+    penalties' history and `min_tokens` count those j tokens as generated)."""
+    rows = [row if isinstance(row, tuple) else (row, 0) for row in rows]
+    params = [s.params for s, _ in rows]
     return SamplingBatch(
         temperatures=np.array([p.temperature for p in params], dtype=np.float32),
         top_ks=np.array([p.top_k for p in params], dtype=np.int64),  # < 2**31: SamplingParams
         top_ps=np.array([p.top_p for p in params], dtype=np.float32),
         min_ps=np.array([p.min_p for p in params], dtype=np.float32),
         seeds=[p.seed for p in params],
-        output_positions=np.array([len(s.output_ids) for s in seqs], dtype=np.int64),
+        output_positions=np.array([len(s.output_ids) + j for s, j in rows], dtype=np.int64),
         num_logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in params],
                               dtype=np.int64),
         scored_ids=[p.logprob_token_ids for p in params],
-        penalties=[_penalty(s) for s in seqs],
-        banned=[_banned(s) for s in seqs],
+        penalties=[_penalty(s, j) for s, j in rows],
+        banned=[_banned(s, j) for s, j in rows],
         biases=[p.logit_bias for p in params],
     )
 
 
-def _penalty(seq: Sequence) -> Penalty | None:
+def _penalty(seq: Sequence, drafted: int) -> Penalty | None:
     p = seq.params
     if not p.penalized:
         return None
     return Penalty(p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
                    np.unique(np.array(seq.prompt_ids, dtype=np.int64)),
-                   np.array(seq.output_ids, dtype=np.int64))
+                   np.array(seq.output_ids + seq.draft[:drafted], dtype=np.int64))
 
 
-def _banned(seq: Sequence) -> tuple[int, ...]:
+def _banned(seq: Sequence, drafted: int) -> tuple[int, ...]:
     """Tokens that would end the sequence before `min_tokens`."""
     p = seq.params
-    if len(seq.output_ids) >= p.min_tokens:
+    if len(seq.output_ids) + drafted >= p.min_tokens:
         return ()
     stops = set(p.stop_token_ids)
     if not p.ignore_eos:

@@ -169,6 +169,10 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for tokens 1, 2, ...
     finish_reason: str | None = None
     grammar: object | None = None  # the llguidance matcher of `params.structured`
+    # Speculative decoding: tokens proposed to follow the last one, verified by the next step
+    # (`plan.build_plan`), and the proposer's state for this sequence (`speculation`)
+    draft: list[int] = field(default_factory=list)
+    speculation: object | None = None
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without copying the whole sequence (the

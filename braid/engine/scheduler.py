@@ -16,6 +16,12 @@ Each step, within `max_num_batched_tokens` tokens:
    few-shot prefix, a sibling of `n`) waits for it, then shares it instead of computing it
    again.
 
+A decoding sequence may carry a draft (`Sequence.draft`, speculative decoding): it is
+scheduled with 1 + len(draft) tokens where the budget and free blocks allow (a draft never
+preempts anyone: it is cut to fit), and after the step only the accepted part of it stays. The
+keys of rejected tokens are left behind in slots the sequence overwrites later, the blocks past
+its tokens go back, and the prefix cache registers only blocks of accepted tokens.
+
 A long prompt is thus prefilled over several steps while decodes keep running, and several
 prompts may share a step. Runs on the driver; the ranks only see the resulting plans.
 """
@@ -110,6 +116,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_hits = 0  # ... and found there
+        self.num_draft_tokens = 0  # proposed tokens verified by a step (speculative decoding)
+        self.num_accepted_tokens = 0  # ... and accepted
 
     def add(self, seq: Sequence) -> None:
         self.waiting.add(seq)
@@ -127,6 +135,11 @@ class Scheduler:
         self._release(seq)
         seq.finish_reason = "abort"
 
+    def decoding(self) -> list[Sequence]:
+        """Running sequences whose prompt is done: each next step computes their newest
+        token (and verifies their draft), oldest first."""
+        return [s for s in self.running if s.num_tokens - s.num_computed == 1]
+
     def schedule(self) -> list[Sequence]:
         """The next step's sequences, in plan order, each with its `scheduled_tokens`
         (empty when nothing can run)."""
@@ -134,13 +147,15 @@ class Scheduler:
             seq.scheduled_tokens = 0
         batch: list[Sequence] = []
         budget = self.max_num_batched_tokens
-        for seq in [s for s in self.running if s.num_tokens - s.num_computed == 1]:
+        decoding = self.decoding()
+        for i, seq in enumerate(decoding):
             if budget == 0:
                 break
-            if seq.blocks and self._grow_or_preempt(seq):  # no blocks: preempted just now
-                seq.scheduled_tokens = 1
+            del seq.draft[budget - 1:]
+            if seq.blocks and self._grow_or_preempt(seq, len(decoding) - i - 1):
+                seq.scheduled_tokens = 1 + len(seq.draft)  # no blocks: preempted just now
                 batch.append(seq)
-                budget -= 1
+                budget -= seq.scheduled_tokens
         for seq in [s for s in self.running if s.num_tokens - s.num_computed > 1]:
             if budget == 0:
                 break
@@ -154,16 +169,22 @@ class Scheduler:
         self._admit(batch, budget)
         return batch
 
-    def _grow_or_preempt(self, seq: Sequence) -> bool:
+    def _grow_or_preempt(self, seq: Sequence, decoding_after: int) -> bool:
         """Give a decoding sequence the block its next token needs, preempting the newest
-        running sequences for it (possibly itself: then False)."""
+        running sequences for it (possibly itself: then False), and blocks for as much of its
+        draft as fits while a block stays free for each of the `decoding_after` sequences
+        that decode after it in this step."""
         need = self.blocks.blocks_needed(seq.num_tokens, len(seq.blocks))
         while need > self.blocks.num_free:
             victim = next(reversed(self.running))
             self._preempt(victim)
             if victim is seq:
                 return False
-        seq.blocks += self.blocks.allocate(need)
+        spare = max(0, self.blocks.num_free - need - decoding_after)
+        room = (len(seq.blocks) + need + spare) * self.blocks.block_size - seq.num_tokens
+        del seq.draft[room:]
+        seq.blocks += self.blocks.allocate(
+            self.blocks.blocks_needed(seq.num_tokens + len(seq.draft), len(seq.blocks)))
         return True
 
     def _fitting_chunk(self, seq: Sequence, budget: int) -> int:
@@ -231,25 +252,40 @@ class Scheduler:
         self.blocks.free(seq.blocks)
         seq.blocks, seq.num_computed, seq.scheduled_tokens = [], 0, 0
         seq.num_registered_blocks = 0
+        seq.draft = []
 
     def commit(self, batch: list[Sequence], layout: list[SequenceRows],
                result: StepResult) -> list[SequenceDelta]:
-        """Record a step's results; one delta per sequence that got a token or finished.
+        """Record a step's results; one delta per sequence that got tokens or finished.
 
-        A sequence whose step ended inside its prompt only records its prompt logprobs. A
-        failure while recording one sequence's token fails that sequence alone.
+        A sequence whose step ended inside its prompt only records its prompt logprobs; one
+        that verified a draft keeps the accepted tokens and one more (see `_record_tokens`).
+        A failure while recording one sequence's tokens fails that sequence alone.
         """
         deltas = []
         for seq, rows in zip(batch, layout):
-            seq.num_computed += seq.scheduled_tokens
+            computed = seq.num_computed + seq.scheduled_tokens
             seq.scheduled_tokens = 0
             try:
-                self.blocks.register(seq)
                 if rows.prompt_count:
                     seq.prompt_logprobs += result.prompt_logprobs[
                         rows.prompt_start:rows.prompt_start + rows.prompt_count]
+                delta = None
                 if rows.sample_row is not None:
-                    deltas.append(self._record_token(seq, result, rows.sample_row))
+                    delta = self._record_tokens(seq, result, rows)
+                    deltas.append(delta)
+                if seq.finished:  # failed while sampling
+                    continue
+                # The keys of the tokens before the newest are computed: a rejected draft's
+                # are not, and its slots are overwritten by the tokens that follow.
+                seq.num_computed = min(computed, seq.num_tokens - 1)
+                self.blocks.register(seq)
+                if seq.draft:
+                    self.blocks.free(seq.blocks[-(-seq.num_tokens // self.blocks.block_size):])
+                    del seq.blocks[-(-seq.num_tokens // self.blocks.block_size):]
+                    seq.draft = []
+                if delta is not None and delta.finish_reason is not None:
+                    self._finish(seq, delta.finish_reason)
             except AssertionError:
                 raise  # the block manager's own invariants: the engine is broken, not a request
             except Exception as e:  # noqa: BLE001 - one sequence's failure is its own
@@ -264,35 +300,53 @@ class Scheduler:
             seq.finish_reason = "error"
         return SequenceDelta(seq.request_id, seq.index, finish_reason="error", error=error)
 
-    def _record_token(self, seq: Sequence, result: StepResult, row: int) -> SequenceDelta:
+    def _record_tokens(self, seq: Sequence, result: StepResult,
+                       rows: SequenceRows) -> SequenceDelta:
+        """Append the step's tokens for `seq` (its finish, if one of them ends it, is left to
+        the caller): row j's token follows the first j tokens of the draft, so rows are taken
+        while each token equals the draft's next one, and the first that differs (or the row
+        after the whole draft) is the last token taken.
+
+        This is speculative decoding's acceptance rule, exact for a draft of proposed tokens
+        (each a point mass): with q(d) = 1, accepting d with probability min(1, p(d) / q(d))
+        and otherwise sampling from the residual max(0, p - q), normalised, draws from p, as
+        a token sampled from p and kept only if it is d does. Each row's token is sampled
+        from the target model's p as in plain decoding (its seed, penalties and `min_tokens`
+        count the draft tokens before it), so greedy and seeded outputs are those of plain
+        decoding."""
         delta = SequenceDelta(seq.request_id, seq.index)
-        token = result.tokens[row]
-        if token is None:
-            return self.fail(seq, result.errors[row])
-        seq.output_ids.append(token)
-        delta.new_token_ids = [token]
         params = seq.params
-        grammar_complete = seq.grammar is not None and accept_token(seq.grammar, token)
-        if result.logprobs is not None:
-            delta.logprobs = [result.logprobs[row]]
-        if len(seq.output_ids) == 1:
+        proposed = len(seq.draft)
+        self.num_draft_tokens += proposed
+        for j in range(rows.num_sample_rows):
+            row = rows.sample_row + j
+            token = result.tokens[row]
+            if token is None:
+                return self.fail(seq, result.errors[row])
+            if seq.grammar is not None and accept_token(seq.grammar, token):
+                delta.finish_reason = "stop"  # a complete grammar: nothing else may follow
+            seq.output_ids.append(token)
+            delta.new_token_ids.append(token)
+            if result.logprobs is not None:
+                delta.logprobs = (delta.logprobs or []) + [result.logprobs[row]]
+            if len(seq.output_ids) >= params.min_tokens:
+                if token in params.stop_token_ids:
+                    delta.finish_reason, delta.stop_reason = "stop", token
+                    delta.by_stop_token = True
+                elif not params.ignore_eos and token in seq.eos_token_ids:
+                    delta.finish_reason, delta.stop_reason = "stop", None
+                    delta.by_stop_token = True
+            if delta.finish_reason is None and (len(seq.output_ids) >= params.max_new_tokens
+                                                or seq.num_tokens >= self.max_context):
+                delta.finish_reason = "length"
+            if delta.finish_reason is not None or j == proposed or token != seq.draft[j]:
+                break
+            self.num_accepted_tokens += 1
+        if len(seq.output_ids) == len(delta.new_token_ids):
             delta.num_prompt_tokens = len(seq.prompt_ids)
             delta.num_cached_tokens = seq.num_cached_prompt
             if seq.scores_prompt:
                 delta.prompt_logprobs = seq.prompt_logprobs
-        if len(seq.output_ids) >= params.min_tokens:
-            if token in params.stop_token_ids:
-                delta.finish_reason, delta.stop_reason = "stop", token
-            elif not params.ignore_eos and token in seq.eos_token_ids:
-                delta.finish_reason = "stop"
-            delta.by_stop_token = delta.finish_reason is not None
-        if delta.finish_reason is None and grammar_complete:  # nothing else may follow
-            delta.finish_reason = "stop"
-        if delta.finish_reason is None and (len(seq.output_ids) >= params.max_new_tokens
-                                            or seq.num_tokens >= self.max_context):
-            delta.finish_reason = "length"
-        if delta.finish_reason is not None:
-            self._finish(seq, delta.finish_reason)
         return delta
 
     def _finish(self, seq: Sequence, reason: str) -> None:
