@@ -73,6 +73,19 @@ def prompt_ids(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
+def runner(model_path):
+    """The embedded model (fp32) as one rank in this process, under engine cores of the
+    tests' own (`engine_utils.RunnerExecutor`)."""
+    from braid.config import EngineConfig
+    from braid.distributed.comm import SkipCommunicator
+    from braid.engine.model_runner import ModelRunner
+    from braid.loader.model_config import load_model_config
+
+    engine = EngineConfig(model=model_path, dtype="fp32", max_total_tokens=4096)
+    return ModelRunner(engine, load_model_config(model_path), SkipCommunicator(0, 1))
+
+
+@pytest.fixture(scope="session")
 def hf_model(model_path):
     """Hugging Face transformers' Llama on the same GGUF weights, fp32: the oracle."""
     from transformers import AutoModelForCausalLM

@@ -20,12 +20,6 @@ from braid.loader.model_config import load_model_config
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def runner(model_path):
-    engine = EngineConfig(model=model_path, dtype="fp32", max_total_tokens=4096)
-    return ModelRunner(engine, load_model_config(model_path), SkipCommunicator(0, 1))
-
-
 def make_core(runner, **engine_args) -> EngineCore:
     """A fresh engine core (its own scheduler and prefix cache) over the shared runner."""
     config = EngineConfig(model=runner.engine.model, dtype="fp32",

@@ -29,8 +29,8 @@ import numpy as np
 
 from braid.engine.request import Sequence
 
-PRIOR_ACCEPTANCE = 0.5  # a new sequence's acceptance rate, worth PRIOR_WEIGHT proposals
-PRIOR_WEIGHT = 2.0
+# A new sequence's acceptance rate, 0.5, as the counts of two verified proposals
+PRIOR_ACCEPTED, PRIOR_VERIFIED = 1.0, 2.0
 DECAY = 0.8  # per verified step: the rate follows the last few steps' text
 IDLE_DECAY = 0.97  # per step without a proposal: back toward the prior in tens of steps
 MIN_ACCEPTANCE = 0.05  # below this a sequence proposes nothing (also when rows are free)
@@ -96,8 +96,8 @@ class SequenceSpeculation:
     proposed last and its length then (to learn how much was accepted), and the proposer's
     own state (an `NgramIndex`)."""
 
-    accepted: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
-    verified: float = PRIOR_WEIGHT
+    accepted: float = PRIOR_ACCEPTED
+    verified: float = PRIOR_VERIFIED
     proposed: int = 0
     tokens_then: int = 0
     index: NgramIndex | None = None
@@ -115,8 +115,8 @@ class SequenceSpeculation:
             self.accepted = DECAY * self.accepted + accepted
             self.verified = DECAY * self.verified + accepted + (accepted < self.proposed)
         elif not self.proposed:
-            self.accepted = IDLE_DECAY * self.accepted + (1 - IDLE_DECAY) * PRIOR_ACCEPTANCE * PRIOR_WEIGHT
-            self.verified = IDLE_DECAY * self.verified + (1 - IDLE_DECAY) * PRIOR_WEIGHT
+            self.accepted = IDLE_DECAY * self.accepted + (1 - IDLE_DECAY) * PRIOR_ACCEPTED
+            self.verified = IDLE_DECAY * self.verified + (1 - IDLE_DECAY) * PRIOR_VERIFIED
         self.proposed = 0
 
 

@@ -1,0 +1,204 @@
+"""Speculative decoding: proposals verified as extra decode rows, accepted exactly, rolled back
+exactly; greedy and seeded outputs equal plain decoding's, sampled frequencies match it."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+from engine_utils import RunnerExecutor, fake_core, fake_next_token, run_requests
+
+from braid.config import EngineConfig
+from braid.engine.core import EngineCore
+from braid.engine.kv_cache import BlockManager
+from braid.engine.request import SamplingParams, Sequence
+from braid.engine.scheduler import Scheduler
+from braid.engine.speculation import (
+    NgramIndex,
+    NgramProposer,
+    SequenceSpeculation,
+    Speculator,
+    StepCost,
+)
+
+
+class OracleProposer:
+    """Proposes the fake model's favourite continuation with a wrong token at a random depth
+    (or none), so steps accept all, part or none of their drafts."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        drafts = []
+        for seq, k in zip(seqs, ks):
+            context = seq.prompt_ids + seq.output_ids
+            draft = []
+            wrong_at = self.rng.randrange(k + 2)
+            for depth in range(k):
+                token = fake_next_token(np.array(context))
+                if depth == wrong_at:
+                    token = token % 997 + 1  # another token
+                draft.append(token)
+                context.append(token)
+            drafts.append(draft)
+        return drafts
+
+
+def speculating_fake_core(proposer=None, max_tokens: int = 4, **engine_args):
+    core, runner = fake_core(**engine_args)
+    core.speculator = Speculator(proposer or OracleProposer(), max_tokens)
+    return core, runner
+
+
+PROMPTS = [[5, 6, 7, 8, 9] * 7, [11, 12, 13] * 11 + [14], [5, 6, 7, 8, 9] * 7 + [21, 22],
+           list(range(100, 140))]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_new_tokens=40, temperature=0),
+    SamplingParams(max_new_tokens=40, temperature=1.0, seed=7, repetition_penalty=1.3,
+                   frequency_penalty=0.5, min_tokens=12, stop_token_ids=tuple(range(1, 400))),
+], ids=["greedy", "seeded-penalties-stops"])
+@pytest.mark.parametrize("cache_tokens", [4096, 112], ids=["roomy", "preempting"])
+def test_outputs_equal_plain_decoding(params, cache_tokens):
+    """Against the fake model, which reads its whole context back from the KV cache: a stale
+    key of a rejected token, a slot off by one or a block registered in the prefix cache
+    with a rejected token in it changes every later token."""
+    plain = run_requests(fake_core(max_total_tokens=cache_tokens)[0], PROMPTS, params)
+    core, _ = speculating_fake_core(max_total_tokens=cache_tokens)
+    assert run_requests(core, PROMPTS, params) == plain
+    scheduler = core.scheduler
+    assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+    assert core.num_steps < sum(map(len, plain))  # several tokens a step, at times
+    if cache_tokens == 112:
+        assert scheduler.num_preemptions > 0
+    assert scheduler.prefix_hits > 0  # prompts 0 and 2 share blocks
+
+
+def test_rejected_tokens_give_their_blocks_back():
+    core, runner = speculating_fake_core(proposer=OracleProposer(), max_tokens=16,
+                                         block_size=4)
+    params = SamplingParams(max_new_tokens=30, temperature=0)
+    run_requests(core, [[3, 4, 5]], params, on_step=lambda core, step: _check_blocks(core))
+
+
+def test_a_draft_takes_no_block_a_later_decode_needs():
+    blocks = BlockManager(num_tokens=16, block_size=4)  # 4 blocks
+    scheduler = Scheduler(blocks, max_num_batched_tokens=64, max_running=8, max_context=64)
+    first, second = (Sequence(i, str(i), 0, [1, 2, 3, 4], SamplingParams()) for i in range(2))
+    for seq in (first, second):  # each has filled its block: its next token needs another
+        seq.output_ids, seq.blocks, seq.num_computed = [5], blocks.allocate(1), 4
+        scheduler.running[seq] = None
+    first.draft = [6] * 6  # would take both free blocks
+    assert scheduler.schedule() == [first, second]
+    assert scheduler.num_preemptions == 0
+    assert first.draft == [6] * 3 and first.scheduled_tokens == 4  # fills its new block
+
+
+def _check_blocks(core: EngineCore) -> None:
+    for seq in core.scheduler.running:
+        if not seq.draft:  # between steps: just what its tokens need
+            assert len(seq.blocks) == -(-seq.num_tokens // core.blocks.block_size)
+
+
+def test_sampled_frequencies_match_plain_decoding():
+    """Unseeded sampling: the tokens differ draw by draw, their distribution must not. The
+    fake model's favourite token has probability ~0.63 at every position; the pattern of
+    which of the first 5 positions took it (32 outcomes) is compared by a chi-square test
+    between 600 completions with and without speculation. The proposer drafts the
+    favourites, so acceptances and rejections are frequent."""
+    params = SamplingParams(max_new_tokens=5, temperature=1.0)
+    prompts = [[7, 8, i % 50 + 1] for i in range(600)]
+
+    def patterns(core) -> Counter:
+        outputs = run_requests(core, prompts, params)
+        counts = Counter()
+        for prompt, output in zip(prompts, outputs):
+            context = list(prompt)
+            pattern = []
+            for token in output:
+                pattern.append(token == fake_next_token(np.array(context)))
+                context.append(token)
+            counts[tuple(pattern)] += 1
+        return counts
+
+    plain = patterns(fake_core(max_running_requests=64)[0])
+    core, _ = speculating_fake_core(max_running_requests=64)
+    speculated = patterns(core)
+    assert core.scheduler.num_accepted_tokens > 500
+    assert core.scheduler.num_draft_tokens - core.scheduler.num_accepted_tokens > 200
+    outcomes = sorted(set(plain) | set(speculated))
+    table = np.array([[plain[o] for o in outcomes], [speculated[o] for o in outcomes]])
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    keep = expected.min(0) >= 5  # the chi-square approximation's usual rule
+    chi2 = ((table[:, keep] - expected[:, keep]) ** 2 / expected[:, keep]).sum()
+    dof = keep.sum() - 1
+    # The 0.999 quantile of chi-square is below dof + 4.5 * sqrt(2 dof) + 6 for these dofs
+    assert chi2 < dof + 4.5 * np.sqrt(2 * dof) + 6, (chi2, dof, table)
+    # ... and always accepting the favourite would be caught: all five taken is ~0.1 of plain
+    assert plain[(True,) * 5] < 0.2 * len(prompts)
+
+
+def test_ngram_index_proposes_what_followed_the_latest_occurrence():
+    index = NgramIndex(2, 3)
+    seq = Sequence(0, "r", 0, [1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2], SamplingParams())
+    index.extend(seq)
+    assert index.lookup(3) == [3, 4, 5]  # (1, 2) last seen before 3, 4, 5
+    seq.output_ids = [3]
+    index.extend(seq)
+    assert index.lookup(2) == [4, 5]  # (1, 2, 3) -> 4, 5: the longest suffix wins
+    seq.output_ids = [3, 7]
+    index.extend(seq)
+    assert index.lookup(4) == []  # (3, 7) never occurred
+
+
+def test_depth_follows_acceptance_and_the_measured_price_of_a_row():
+    assert Speculator._depth(0.9, 0.0, 8) == 8  # unmeasured: as deep as allowed
+    assert Speculator._depth(0.5, 0.2, 8) == 2  # 0.5, 0.25 > 0.2 > 0.125
+    assert Speculator._depth(0.01, 0.0, 8) == 0
+    cost = StepCost()
+    assert cost.row_price(4) == 0.0
+    for _ in range(10):  # rows almost free: a memory-bound decode step
+        cost.observe(1, 0.010)
+        cost.observe(9, 0.011)
+    assert cost.row_price(1) < 0.02
+    cost = StepCost()
+    for rows in (16, 32, 48):  # every row costs what the step's tokens are worth
+        cost.observe(rows, rows * 0.001)
+    assert cost.row_price(32) == pytest.approx(1.0)
+
+
+# The real model: the engine core over a model runner in this process (tp 1)
+
+COPY = ("The quick brown fox jumps over the lazy dog. " * 6 + "Now write that sentence three "
+        "times: The quick brown fox")
+
+
+def test_the_real_model_decodes_as_without_speculation(runner, tokenizer, prompt_ids):
+    prompts = [tokenizer(COPY)["input_ids"], *prompt_ids[:2], tokenizer(COPY)["input_ids"]]
+    params = SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True)
+
+    def generate(speculative: str, cache_tokens: int) -> tuple[list[list[int]], EngineCore]:
+        config = EngineConfig(model=runner.engine.model, dtype="fp32",
+                              max_total_tokens=cache_tokens, speculative=speculative)
+        core = EngineCore(config, runner.config, RunnerExecutor(runner))
+        return run_requests(core, prompts, params, eos=2), core
+
+    plain, _ = generate("off", 4096)
+    for cache_tokens in (4096, 160):  # the second preempts
+        outputs, core = generate("ngram", cache_tokens)
+        assert outputs == plain
+        assert core.scheduler.num_accepted_tokens > 20
+        assert core.scheduler.prefix_hits > 0
+        assert (core.scheduler.num_preemptions > 0) == (cache_tokens == 160)
+
+
+def test_ngram_proposer_skips_a_sequence_without_a_match():
+    proposer = NgramProposer(2, 4)
+    seq = Sequence(0, "r", 0, [1, 2, 3, 4], SamplingParams())
+    seq.speculation = SequenceSpeculation()
+    assert proposer.propose([seq], [4]) == [[]]
+
