@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -141,13 +142,30 @@ def cmd_generate(args: argparse.Namespace) -> None:
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             structured=structured_outputs(args))
     with LLM(**engine_kwargs(args)) as llm:
+        start = time.perf_counter()
         outputs = llm.generate(args.prompts, params, chat=args.chat)
+        if args.verbose:
+            print_run_figures(llm.core.stats(), outputs, time.perf_counter() - start)
     for out in outputs:
         if args.json:
             print(json.dumps({"prompt": out.prompt, "text": out.text,
                               "token_ids": out.token_ids}), flush=True)
         else:
             print(out.text.strip() if len(outputs) == 1 else f"[{out.prompt}] {out.text.strip()}")
+
+
+def print_run_figures(stats, outputs, seconds: float) -> None:
+    """`generate --verbose`: what the run did, to stderr."""
+    generated = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    paths = ", ".join(f"{path} {n}" for path, n in sorted(stats.steps_by_path.items()))
+    lines = [f"generated {generated} tokens in {seconds:.2f} s ({generated / seconds:.1f} "
+             f"tokens/s, any compiling included); {stats.num_steps} steps: {paths}"]
+    if stats.num_draft_tokens:
+        lines.append(f"speculative decoding: {stats.num_accepted_tokens} of "
+                     f"{stats.num_draft_tokens} proposed tokens accepted "
+                     f"({stats.num_accepted_tokens / stats.num_draft_tokens:.0%})")
+    for line in lines:
+        print(f"braid: {line}", file=sys.stderr)
 
 
 def structured_outputs(args: argparse.Namespace):
@@ -354,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per prompt: prompt, text, token_ids")
+    gen.add_argument("--verbose", action="store_true",
+                     help="print the run's figures to stderr: tokens, steps by path, decode "
+                          "speed, speculative decoding's acceptance")
     gen.add_argument("--json-schema", default=None, metavar="FILE",
                      help="constrain the output to JSON following this JSON schema")
     gen.add_argument("--regex", default=None,

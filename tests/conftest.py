@@ -187,14 +187,16 @@ def model(client) -> str:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """One `braid serve --tp 2 --api-key API_KEY --chat-template CHAT_TEMPLATE_WITH_TOOLS` for
-    every test of the API (eager steps).
+    """One `braid serve --tp 2 --api-key API_KEY --chat-template CHAT_TEMPLATE_WITH_TOOLS
+    --speculative ngram` for every test of the API (eager steps): every API test also checks
+    that speculative decoding changes nothing a client sees.
     Overlap from 1024 tokens (shm's default is above any CPU step), so long prompts run the
     overlapped path through the server. At the end of the session it must stop on SIGTERM
     with exit code 0, its engine and ranks gone and no shared memory left."""
     from server_utils import braid_server, shm_segments_of
 
     with braid_server("--tp", "2", "--api-key", API_KEY, "--overlap-min-tokens", "1024",
+                      "--speculative", "ngram",
                       "--chat-template", str(CHAT_TEMPLATE_WITH_TOOLS),
                       log_dir=tmp_path_factory.mktemp("server")) as server:
         yield server

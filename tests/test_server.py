@@ -21,6 +21,9 @@ from server_utils import braid_server, shm_segments_of
 from braid.cache import cache_root
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,"]
+# The shared server decodes speculatively (n-gram lookup): a prompt that repeats makes its
+# steps accept proposed tokens
+REPEATING = "one two three four, one two three four, one two three four, one two"
 
 
 def metric(server, name: str) -> float:
@@ -30,15 +33,17 @@ def metric(server, name: str) -> float:
     return float(match.group(1))
 
 
-def test_greedy_completions_equal_braid_generate(client, model):
+def test_greedy_completions_equal_braid_generate(server, client, model):
     offline = subprocess.run(
         [sys.executable, "-m", "braid.cli", "generate", "--tp", "2", "--temperature", "0",
-         "--max-new-tokens", "24", "--json", *PROMPTS], capture_output=True, text=True,
-        timeout=300)
+         "--max-new-tokens", "24", "--json", *PROMPTS, REPEATING], capture_output=True,
+        text=True, timeout=300)
     assert offline.returncode == 0, offline.stderr
     expected = [json.loads(line) for line in offline.stdout.splitlines()]
-    response = client.completions.create(model=model, prompt=PROMPTS, max_tokens=24,
-                                         temperature=0)
+    accepted = metric(server, "braid:spec_decode_num_accepted_tokens_total")
+    response = client.completions.create(model=model, prompt=[*PROMPTS, REPEATING],
+                                         max_tokens=24, temperature=0)
+    assert metric(server, "braid:spec_decode_num_accepted_tokens_total") > accepted
     choices = sorted(response.choices, key=lambda c: c.index)
     assert [c.text for c in choices] == [e["text"] for e in expected]
     assert response.usage.completion_tokens == sum(len(e["token_ids"]) for e in expected)

@@ -7,7 +7,8 @@ with text), ITL (between chunks with text), TPOT = (latency - TTFT) / (tokens - 
 The result block and the JSON line use SGLang's labels and key names; failed requests are
 counted and the first error printed, never dropped. Against a braid server, the steps the run
 caused are counted by the path they took (`/metrics`: compiled decode graph, compiled pieces,
-eager), so a figure never silently comes from the slow path.
+eager), so a figure never silently comes from the slow path, and a server decoding
+speculatively reports how many proposed tokens the run's steps accepted.
 """
 
 from __future__ import annotations
@@ -298,6 +299,10 @@ def print_result(config: ServingConfig, metrics: dict) -> None:
     if "steps_by_path" in metrics:  # a braid server's steps during the run (warm-up included)
         line("Engine steps by path:", ", ".join(
             f"{path} {count}" for path, count in metrics["steps_by_path"].items()) or "none")
+    if metrics.get("spec_draft_tokens"):
+        line("Speculative draft tokens:", metrics["spec_draft_tokens"])
+        line("Speculative accepted tokens:", metrics["spec_accepted_tokens"])
+        line("Speculative acceptance rate:", metrics["spec_acceptance_rate"])
     section("End-to-End Latency", "e2e_latency", "E2E Latency")
     section("Time to First Token", "ttft", "TTFT")
     section("Time per Output Token (excl. 1st token)", "tpot", "TPOT")
@@ -306,22 +311,37 @@ def print_result(config: ServingConfig, metrics: dict) -> None:
 
 
 _STEP_PATH_LINE = re.compile(r'^braid:engine_steps_by_path_total\{path="([^"]+)"\} (\S+)$')
+_SPEC_LINE = re.compile(r"^braid:spec_decode_num_(draft|accepted)_tokens_total (\S+)$")
 
 
-def step_paths(base_url: str) -> dict[str, float] | None:
-    """A braid server's steps so far by path (`/metrics`); None for other servers."""
+def server_counts(base_url: str) -> dict[str, float] | None:
+    """A braid server's totals so far (`/metrics`): steps by path (`path:<name>` keys) and
+    speculative decoding's draft and accepted tokens; None for other servers."""
     try:
         with httpx.Client(timeout=10) as client:
             response = client.get(f"{base_url}/metrics")
     except httpx.HTTPError:
         return None
-    if response.status_code != 200:
+    if response.status_code != 200 or "braid:engine_steps" not in response.text:
         return None
     counts = {}
     for line in response.text.splitlines():
         if match := _STEP_PATH_LINE.match(line):
+            counts[f"path:{match.group(1)}"] = float(match.group(2))
+        elif match := _SPEC_LINE.match(line):
             counts[match.group(1)] = float(match.group(2))
-    return counts if "braid:engine_steps" in response.text else None
+    return counts
+
+
+def run_counts(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What a run added to a braid server's totals, as `metrics` entries."""
+    added = {key: int(value - before.get(key, 0)) for key, value in sorted(after.items())}
+    drafted, accepted = added.get("draft", 0), added.get("accepted", 0)
+    return {"steps_by_path": {key.removeprefix("path:"): count
+                              for key, count in added.items()
+                              if key.startswith("path:") and count > 0},
+            "spec_draft_tokens": drafted, "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / drafted if drafted else None}
 
 
 def run_bench_serving(config: ServingConfig) -> dict:
@@ -344,18 +364,16 @@ def run_bench_serving(config: ServingConfig) -> dict:
                                dataset_path=config.dataset_path, seed=config.seed)
     print(f"#Input tokens: {sum(r.prompt_len for r in requests)}")
     print(f"#Output tokens: {sum(r.output_len for r in requests)}")
-    paths_before = step_paths(config.base_url)
+    counts_before = server_counts(config.base_url)
     results, duration = asyncio.run(run_requests(config, model, requests))
-    paths_after = step_paths(config.base_url)
+    counts_after = server_counts(config.base_url)
     failures = [r for r in results if not r.success]
     if failures:
         print(f"{len(failures)} of {len(results)} requests failed; the first error:\n"
               f"{failures[0].error}", file=sys.stderr)
     metrics = compute_metrics(results, duration, tokenizer)
-    if paths_before is not None and paths_after is not None:
-        metrics["steps_by_path"] = {path: int(count - paths_before.get(path, 0))
-                                    for path, count in sorted(paths_after.items())
-                                    if count > paths_before.get(path, 0)}
+    if counts_before is not None and counts_after is not None:
+        metrics.update(run_counts(counts_before, counts_after))
     print_result(config, metrics)
     if config.plot:
         from braid.bench.plots import plot_serving_run

@@ -28,6 +28,10 @@ class Metrics:
         self.prefix_hit_rate = Gauge("braid:prefix_cache_hit_rate",
                                      "Share of looked-up prompt tokens found in the prefix cache",
                                      registry=r)
+        self.spec_acceptance_rate = Gauge(
+            "braid:spec_decode_acceptance_rate",
+            "Share of the tokens proposed by speculative decoding that were accepted",
+            registry=r)
         self._totals = {
             "prefix_cache_queries": Counter("braid:prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache",
@@ -41,6 +45,12 @@ class Metrics:
                                          "Steps run as two overlapped micro-batches", registry=r),
             "num_steps_dp_linear": Counter("braid:engine_steps_dp_linear",
                                            "Steps with token-split replicated projections",
+                                           registry=r),
+            "num_draft_tokens": Counter("braid:spec_decode_num_draft_tokens",
+                                        "Tokens proposed by speculative decoding and verified",
+                                        registry=r),
+            "num_accepted_tokens": Counter("braid:spec_decode_num_accepted_tokens",
+                                           "Proposed tokens the verifying steps accepted",
                                            registry=r),
         }
         # Constrained decoding: the driver fills masks while the forward runs; what rank 0
@@ -94,6 +104,8 @@ class Metrics:
         self.kv_cache_usage.set(stats.kv_cache_usage)
         if stats.prefix_cache_queries:
             self.prefix_hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries)
+        if stats.num_draft_tokens:
+            self.spec_acceptance_rate.set(stats.num_accepted_tokens / stats.num_draft_tokens)
         for name, counter in self._totals.items():
             self._add_since_last(counter, name, getattr(stats, name))
         for name, counter in self._grammar.items():
