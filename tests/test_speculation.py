@@ -20,7 +20,7 @@ from braid.engine.speculation import (
     NgramProposer,
     SequenceSpeculation,
     Speculator,
-    StepCost,
+    StepTimes,
 )
 
 
@@ -47,9 +47,18 @@ class OracleProposer:
         return drafts
 
 
+class UntimedSteps(StepTimes):
+    """Step times never known: drafts go as deep as proposed, whatever this host's timings
+    (the fake model's steps take microseconds and vary), so runs are reproducible."""
+
+    def estimate(self, rows):
+        return None
+
+
 def speculating_fake_core(proposer=None, max_tokens: int = 4, **engine_args):
     core, runner = fake_core(**engine_args)
     core.speculator = Speculator(proposer or OracleProposer(), max_tokens)
+    core.speculator.times = UntimedSteps()
     return core, runner
 
 
@@ -57,12 +66,22 @@ PROMPTS = [[5, 6, 7, 8, 9] * 7, [11, 12, 13] * 11 + [14], [5, 6, 7, 8, 9] * 7 + 
            list(range(100, 140))]
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_new_tokens=40, temperature=0),
-    SamplingParams(max_new_tokens=40, temperature=1.0, seed=7, repetition_penalty=1.3,
-                   frequency_penalty=0.5, min_tokens=12, stop_token_ids=tuple(range(1, 400))),
-], ids=["greedy", "seeded-penalties-stops"])
-@pytest.mark.parametrize("cache_tokens", [4096, 112], ids=["roomy", "preempting"])
+GREEDY = SamplingParams(max_new_tokens=40, temperature=0)
+# Penalties that favour tokens already generated (drafted ones included) enough to change draws
+SEEDED = SamplingParams(max_new_tokens=40, temperature=1.0, seed=7, repetition_penalty=0.25,
+                        presence_penalty=-2.0, frequency_penalty=-2.0, min_tokens=12,
+                        stop_token_ids=tuple(range(1, 150)))
+# Token 5 always wins once allowed: the sequence ends exactly at min_tokens, inside a draft of
+# the fake model's favourites that the rows before it accept
+MIN_TOKENS = SamplingParams(max_new_tokens=40, temperature=0, min_tokens=10,
+                            stop_token_ids=(5,), logit_bias={5: 100.0})
+PREEMPTING = 112  # cache tokens: the four prompts do not fit together
+
+
+@pytest.mark.parametrize(("params", "cache_tokens"), [
+    (GREEDY, 4096), (GREEDY, PREEMPTING), (SEEDED, 4096), (SEEDED, PREEMPTING),
+    (MIN_TOKENS, 4096)], ids=["greedy", "greedy-preempting", "seeded-penalties-stops",
+                              "seeded-preempting", "min-tokens"])
 def test_outputs_equal_plain_decoding(params, cache_tokens):
     """Against the fake model, which reads its whole context back from the KV cache: a stale
     key of a rejected token, a slot off by one or a block registered in the prefix cache
@@ -73,7 +92,7 @@ def test_outputs_equal_plain_decoding(params, cache_tokens):
     scheduler = core.scheduler
     assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
     assert core.num_steps < sum(map(len, plain))  # several tokens a step, at times
-    if cache_tokens == 112:
+    if cache_tokens == PREEMPTING:
         assert scheduler.num_preemptions > 0
     assert scheduler.prefix_hits > 0  # prompts 0 and 2 share blocks
 
@@ -155,20 +174,23 @@ def test_ngram_index_proposes_what_followed_the_latest_occurrence():
     assert index.lookup(4) == []  # (3, 7) never occurred
 
 
-def test_depth_follows_acceptance_and_the_measured_price_of_a_row():
-    assert Speculator._depth(0.9, 0.0, 8) == 8  # unmeasured: as deep as allowed
-    assert Speculator._depth(0.5, 0.2, 8) == 2  # 0.5, 0.25 > 0.2 > 0.125
-    assert Speculator._depth(0.01, 0.0, 8) == 0
-    cost = StepCost()
-    assert cost.row_price(4) == 0.0
-    for _ in range(10):  # rows almost free: a memory-bound decode step
-        cost.observe(1, 0.010)
-        cost.observe(9, 0.011)
-    assert cost.row_price(1) < 0.02
-    cost = StepCost()
-    for rows in (16, 32, 48):  # every row costs what the step's tokens are worth
-        cost.observe(rows, rows * 0.001)
-    assert cost.row_price(32) == pytest.approx(1.0)
+def test_the_depth_cap_weighs_expected_tokens_against_measured_step_times():
+    speculator = Speculator(OracleProposer(), 8)
+    assert speculator._best_cap(1, [0.8], [8]) == 8  # nothing timed yet: try it all
+    for _ in range(8):  # rows almost free: a memory-bound decode step
+        speculator.observe_step(1, 0.010)
+        speculator.observe_step(9, 0.011)
+    assert speculator._best_cap(1, [0.8], [8]) == 8
+    assert speculator._best_cap(1, [0.8], [3]) == 3
+    speculator = Speculator(OracleProposer(), 8)
+    for rows in (32, 40, 64, 96):  # a compute-bound step: a row costs 1 ms
+        speculator.observe_step(rows, 0.010 + rows * 0.001)
+    assert speculator._best_cap(32, [0.5] * 32, [8] * 32) == 0
+    assert speculator._best_cap(32, [0.99] * 32, [1] * 32) == 1  # ... unless all are accepted
+    times = StepTimes()
+    times.observe(4, 0.02)
+    times.observe(8, 0.04)
+    assert times.estimate(np.array([2, 6, 20])).tolist() == pytest.approx([0.02, 0.03, 0.04])
 
 
 # The real model: the engine core over a model runner in this process (tp 1)

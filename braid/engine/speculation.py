@@ -8,13 +8,16 @@ accepted by the scheduler (`Scheduler._record_tokens`); this module only propose
   the latest earlier occurrence of the sequence's last n tokens (n from `ngram_max` down to
   `ngram_min`) in its own prompt and output, and the tokens that followed it there.
 - **Policy.** Each sequence keeps a recent acceptance rate `a` (accepted over verified
-  proposals, decayed, starting from a prior). A proposed token at depth i is accepted with
-  probability about a^i; it costs one more row in the step. The step's time is measured as a
-  function of its rows (`StepCost`, fitted while serving), so a token at depth i is proposed
-  only while a^i exceeds what a row costs relative to what the step yields per row:
-  `slope * rows / time`. At small batch a row is almost free (the weights are read once
-  either way), at large batch on a compute-bound host it costs what a sequence's token does,
-  and speculation switches itself off. Until two batch sizes have been timed it proposes.
+  proposals, decayed, starting from a prior): its token at depth i is accepted with
+  probability about a^i. Each step's time is measured by its row count (`StepTimes`: the
+  median of the latest decode steps of each count). Before a step, every candidate depth
+  cap d is weighed: the tokens the step is expected to yield (one per sequence, plus its
+  first d proposals' a^i) over the measured (interpolated) time of a step of that many
+  rows; the best cap applies. At small batch a row is almost free (the weights are read
+  once either way), at large batch on a compute-bound host rows cost what tokens are worth
+  and speculation switches itself off. A row count never timed is assumed to cost what the
+  largest timed one does, so it is tried, timed, and from then on weighed; the timings
+  age out of the window, so a choice is re-probed as the load changes.
   A sequence whose rate fell too low to propose drifts back toward the prior while it does
   not propose, so text that turns repetitive later is tried again.
 """
@@ -34,7 +37,7 @@ PRIOR_ACCEPTED, PRIOR_VERIFIED = 1.0, 2.0
 DECAY = 0.8  # per verified step: the rate follows the last few steps' text
 IDLE_DECAY = 0.97  # per step without a proposal: back toward the prior in tens of steps
 MIN_ACCEPTANCE = 0.05  # below this a sequence proposes nothing (also when rows are free)
-COST_WINDOW = 256  # decode steps whose times fit `StepCost`
+TIMES_WINDOW = 256  # latest decode steps whose times `StepTimes` keeps
 
 
 class Proposer(Protocol):
@@ -120,43 +123,32 @@ class SequenceSpeculation:
         self.proposed = 0
 
 
-class StepCost:
-    """Decode step time as `base + slope * rows`, least squares over the latest
-    `COST_WINDOW` decode steps (the median time of each row count, so a noisy step weighs
-    little)."""
+class StepTimes:
+    """Decode step times by row count: the median of each count over the latest
+    `TIMES_WINDOW` decode steps, interpolated between counts."""
 
     def __init__(self) -> None:
-        self._steps: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
-        self._fit: tuple[float, float] | None = None
-        self._since_fit = 0
+        self._steps: deque[tuple[int, float]] = deque(maxlen=TIMES_WINDOW)
+        self._medians: tuple[np.ndarray, np.ndarray] | None = None
 
     def observe(self, rows: int, seconds: float) -> None:
         self._steps.append((rows, seconds))
-        self._since_fit += 1
+        if len(self._steps) % 16 == 1:
+            self._medians = None
 
-    def fit(self) -> tuple[float, float] | None:
-        """(base, slope) in seconds, or None until two row counts have been timed."""
-        if self._since_fit >= 16 or self._fit is None:
-            self._since_fit = 0
+    def estimate(self, rows: np.ndarray) -> np.ndarray | None:
+        """Expected seconds of a step of each row count (None before any step was timed):
+        linear between timed counts, the nearest timed count's time outside them."""
+        if self._medians is None and self._steps:
             by_rows: dict[int, list[float]] = {}
-            for rows, seconds in self._steps:
-                by_rows.setdefault(rows, []).append(seconds)
-            if len(by_rows) >= 2:
-                xs = np.array(list(by_rows), dtype=np.float64)
-                ys = np.array([np.median(v) for v in by_rows.values()])
-                slope, base = np.polyfit(xs, ys, 1)
-                self._fit = (float(base), max(float(slope), 0.0))
-        return self._fit
-
-    def row_price(self, rows: int) -> float:
-        """What one more row costs, as a share of what a step of `rows` rows yields per row
-        (0 while unmeasured: speculation is tried)."""
-        fit = self.fit()
-        if fit is None:
-            return 0.0
-        base, slope = fit
-        time = base + slope * rows
-        return slope * rows / time if time > 0 else 0.0
+            for count, seconds in self._steps:
+                by_rows.setdefault(count, []).append(seconds)
+            counts = sorted(by_rows)
+            self._medians = (np.array(counts, dtype=np.float64),
+                             np.array([np.median(by_rows[c]) for c in counts]))
+        if self._medians is None:
+            return None
+        return np.interp(rows, *self._medians)
 
 
 class Speculator:
@@ -165,12 +157,11 @@ class Speculator:
     def __init__(self, proposer: Proposer, max_tokens: int) -> None:
         self.proposer = proposer
         self.max_tokens = max_tokens
-        self.cost = StepCost()
+        self.times = StepTimes()
 
     def propose(self, decoding: list[Sequence]) -> None:
-        """Drafts for the sequences about to decode (an empty one where speculation does not
-        pay, or cannot apply: a grammar constrains the sequence, or it is about to end)."""
-        price = self.cost.row_price(len(decoding))
+        """Drafts for the sequences about to decode (none where speculation does not pay, or
+        cannot apply: a grammar constrains the sequence, or it is about to end)."""
         seqs, ks = [], []
         for seq in decoding:
             if seq.speculation is None:
@@ -179,26 +170,34 @@ class Speculator:
             state.learn(seq.num_tokens)
             seq.draft = []
             room = min(seq.params.max_new_tokens - len(seq.output_ids) - 1, self.max_tokens)
-            if seq.grammar is not None or room <= 0:
-                continue
-            seqs.append(seq)
-            ks.append(self._depth(state.rate, price, room))
-        for seq, k, draft in zip(seqs, ks, self.proposer.propose(seqs, ks)):
-            seq.draft = draft[:k]
+            if seq.grammar is None and room > 0 and state.rate >= MIN_ACCEPTANCE:
+                seqs.append(seq)
+                ks.append(room)
+        drafts = self.proposer.propose(seqs, ks) if seqs else []
+        cap = self._best_cap(len(decoding), [s.speculation.rate for s in seqs],
+                             [len(d) for d in drafts])
+        for seq, draft in zip(seqs, drafts):
+            seq.draft = draft[:cap]
             seq.speculation.proposed = len(seq.draft)
             seq.speculation.tokens_then = seq.num_tokens
 
-    @staticmethod
-    def _depth(rate: float, price: float, most: int) -> int:
-        """Proposals worth their rows: depth i while rate^i exceeds the row's price."""
-        if rate < MIN_ACCEPTANCE:
+    def _best_cap(self, num_decoding: int, rates: list[float], lengths: list[int]) -> int:
+        """The depth cap whose step yields the most tokens per measured second."""
+        longest = max(lengths, default=0)
+        if longest == 0:
             return 0
-        depth, reach = 0, rate
-        while depth < most and reach > price:
-            depth += 1
-            reach *= rate
-        return depth
+        caps = np.arange(longest + 1)
+        depths = np.minimum(np.array(lengths)[None, :], caps[:, None])  # [cap, sequence]
+        rows = num_decoding + depths.sum(axis=1)
+        seconds = self.times.estimate(rows)
+        if seconds is None:
+            return longest
+        rates = np.array(rates)
+        # Expected accepted tokens of a draft of depth j: a + a^2 + ... + a^j
+        expected = rates * (1 - rates ** depths) / np.maximum(1 - rates, 1e-9)
+        tokens = num_decoding + expected.sum(axis=1)
+        return int(caps[np.argmax(tokens / np.maximum(seconds, 1e-9))])
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A decode step of `rows` rows (sequences plus draft tokens) took `seconds`."""
-        self.cost.observe(rows, seconds)
+        self.times.observe(rows, seconds)
