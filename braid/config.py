@@ -234,7 +234,7 @@ class EngineConfig:
     # sequence proposes per step, and the n-gram lengths prompt lookup matches
     speculative: str = "off"
     speculative_tokens: int = 8
-    ngram_min: int = 2
+    ngram_min: int = 1
     ngram_max: int = 4
 
     def __post_init__(self) -> None:
