@@ -233,7 +233,7 @@ class EngineConfig:
     # speculative decoding (braid.engine.speculation): the proposer, the most tokens a
     # sequence proposes per step, and the n-gram lengths prompt lookup matches
     speculative: str = "off"
-    speculative_tokens: int = 8
+    speculative_tokens: int = 16
     ngram_min: int = 1
     ngram_max: int = 4
 

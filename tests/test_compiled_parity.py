@@ -13,6 +13,7 @@ import torch
 from conftest import slow
 
 from braid import LLM, SamplingParams
+from braid.engine.speculation import NgramProposer, Speculator
 
 LOGIT_TOLERANCE = 2e-3
 PROMPTS = [list(range(500, 540)), list(range(1000, 1003)), list(range(7, 300, 3)), [42]]
@@ -61,6 +62,13 @@ def test_compiled_steps_match_transformers_with_and_without_overlap(tp, comm, ti
             check_logits(llm.prompt_logits(PROMPTS), ref_logits)
             assert greedy(llm, "on") == ref_greedy
         paths["all"] = dict(llm.core.steps_by_path)
+        # Speculative decoding: k + 1 decode rows per sequence through the same graph (and
+        # split between two micro-batches under overlap) decode the same tokens
+        llm.core.speculator = Speculator(NgramProposer(1, 4), 8)
+        for overlap in ("off", "on") if tp > 1 else ("off",):
+            assert greedy(llm, overlap) == ref_greedy
+        assert llm.core.scheduler.num_accepted_tokens > 0
+        assert llm.core.steps_by_path["graph"] > paths["all"]["graph"]
     assert set(paths["off"]) == {"pieces", "graph"}  # prompts, decode steps
     assert paths["off"]["graph"] >= 11
     if tp > 1:

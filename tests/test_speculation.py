@@ -183,13 +183,15 @@ def test_the_depth_cap_weighs_expected_tokens_against_measured_step_times():
     assert speculator._best_cap(1, [0.8], [8]) == 8
     assert speculator._best_cap(1, [0.8], [3]) == 3
     speculator = Speculator(OracleProposer(), 8)
-    for rows in (32, 40, 64, 96):  # a compute-bound step: a row costs 1 ms
+    for rows in (32, 64, 128, 320) * 3:  # a compute-bound step: a row costs 1 ms
         speculator.observe_step(rows, 0.010 + rows * 0.001)
     assert speculator._best_cap(32, [0.5] * 32, [8] * 32) == 0
     assert speculator._best_cap(32, [0.99] * 32, [1] * 32) == 1  # ... unless all are accepted
     times = StepTimes()
-    times.observe(4, 0.02)
-    times.observe(8, 0.04)
+    for seconds in (0.5, 0.02, 0.02):  # the first step of a shape may build its kernels
+        times.observe(4, seconds)
+        times.observe(8, 2 * seconds)
+    times.observe(12, 0.01)  # timed once: not yet weighed
     assert times.estimate(np.array([2, 6, 20])).tolist() == pytest.approx([0.02, 0.03, 0.04])
 
 

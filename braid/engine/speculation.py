@@ -7,13 +7,16 @@ accepted by the scheduler (`Scheduler._record_tokens`); this module only propose
 - **Proposers.** `ngram` (prompt lookup, as vLLM's `ngram` and llama.cpp's lookup decoding):
   the latest earlier occurrence of the sequence's last n tokens (n from `ngram_max` down to
   `ngram_min`) in its own prompt and output, and the tokens that followed it there.
-- **Policy.** Each sequence keeps a recent acceptance rate `a` (accepted over verified
-  proposals, decayed, starting from a prior): its token at depth i is accepted with
-  probability about a^i. Each step's time is measured by its row count (`StepTimes`: the
-  median of the latest decode steps of each count). Before a step, every candidate depth
-  cap d is weighed: the tokens the step is expected to yield (one per sequence, plus its
-  first d proposals' a^i) over the measured (interpolated) time of a step of that many
-  rows; the best cap applies. At small batch a row is almost free (the weights are read
+- **Policy.** Each sequence keeps a recent acceptance rate `a` (accepted over proposed
+  tokens, decayed, starting from a prior): a draft of d tokens is expected to add a * d.
+  (Copying is all or nothing: a draft that matches the text being copied is accepted whole,
+  one from the wrong place is not, so the expected run grows with d as the share of whole
+  acceptances does; a geometric model, a^1 + ... + a^d, undervalued long drafts on
+  copy-heavy text and chose ones half as long.) Each step's time is measured by its row
+  count (`StepTimes`: the median of the latest decode steps of each count). Before a step,
+  every candidate depth cap d is weighed: the tokens the step is expected to yield (one per
+  sequence, plus a * min(d, its draft)) over the measured (interpolated) time of a step of
+  that many rows; the best cap applies. At small batch a row is almost free (the weights are read
   once either way), at large batch on a compute-bound host rows cost what tokens are worth
   and speculation switches itself off. A row count never timed is assumed to cost what the
   largest timed one does, so it is tried, timed, and from then on weighed; the timings
@@ -32,12 +35,15 @@ import numpy as np
 
 from braid.engine.request import Sequence
 
-# A new sequence's acceptance rate, 0.5, as the counts of two verified proposals
-PRIOR_ACCEPTED, PRIOR_VERIFIED = 1.0, 2.0
+# A new sequence's acceptance rate, 0.5, as the counts of two proposed tokens
+PRIOR_ACCEPTED, PRIOR_PROPOSED = 1.0, 2.0
 DECAY = 0.8  # per verified step: the rate follows the last few steps' text
 IDLE_DECAY = 0.97  # per step without a proposal: back toward the prior in tens of steps
 MIN_ACCEPTANCE = 0.05  # below this a sequence proposes nothing (also when rows are free)
 TIMES_WINDOW = 256  # latest decode steps whose times `StepTimes` keeps
+# Timings a row count needs before it is weighed: its first step may pay for the GEMM
+# library's kernels for that shape (tens of ms), which alone would rule it out for good
+MIN_TIMINGS = 3
 
 
 class Proposer(Protocol):
@@ -100,52 +106,53 @@ class SequenceSpeculation:
     own state (an `NgramIndex`)."""
 
     accepted: float = PRIOR_ACCEPTED
-    verified: float = PRIOR_VERIFIED
+    proposals: float = PRIOR_PROPOSED
     proposed: int = 0
     tokens_then: int = 0
     index: NgramIndex | None = None
 
     @property
     def rate(self) -> float:
-        return self.accepted / self.verified
+        return self.accepted / self.proposals
 
     def learn(self, num_tokens: int) -> None:
         """Count how much of the last draft was accepted, now that the sequence has
         `num_tokens` tokens (a draft not verified, its sequence preempted, counts nothing)."""
         if self.proposed and num_tokens > self.tokens_then:
             accepted = min(num_tokens - self.tokens_then - 1, self.proposed)
-            # Proposals are tried in order until one is rejected: a geometric count.
             self.accepted = DECAY * self.accepted + accepted
-            self.verified = DECAY * self.verified + accepted + (accepted < self.proposed)
+            self.proposals = DECAY * self.proposals + self.proposed
         elif not self.proposed:
             self.accepted = IDLE_DECAY * self.accepted + (1 - IDLE_DECAY) * PRIOR_ACCEPTED
-            self.verified = IDLE_DECAY * self.verified + (1 - IDLE_DECAY) * PRIOR_VERIFIED
+            self.proposals = IDLE_DECAY * self.proposals + (1 - IDLE_DECAY) * PRIOR_PROPOSED
         self.proposed = 0
 
 
 class StepTimes:
-    """Decode step times by row count: the median of each count over the latest
-    `TIMES_WINDOW` decode steps, interpolated between counts."""
+    """Decode step times by row count: the median of each count timed at least
+    `MIN_TIMINGS` times over the latest `TIMES_WINDOW` decode steps, interpolated between
+    counts."""
 
     def __init__(self) -> None:
         self._steps: deque[tuple[int, float]] = deque(maxlen=TIMES_WINDOW)
         self._medians: tuple[np.ndarray, np.ndarray] | None = None
+        self._new = 0  # steps timed since the medians were taken
 
     def observe(self, rows: int, seconds: float) -> None:
         self._steps.append((rows, seconds))
-        if len(self._steps) % 16 == 1:
-            self._medians = None
+        self._new += 1
 
     def estimate(self, rows: np.ndarray) -> np.ndarray | None:
-        """Expected seconds of a step of each row count (None before any step was timed):
-        linear between timed counts, the nearest timed count's time outside them."""
-        if self._medians is None and self._steps:
+        """Expected seconds of a step of each row count (None before a count was timed
+        enough): linear between timed counts, the nearest timed count's time outside them."""
+        if self._new >= 16 or (self._medians is None and self._new):
+            self._new = 0
             by_rows: dict[int, list[float]] = {}
             for count, seconds in self._steps:
                 by_rows.setdefault(count, []).append(seconds)
-            counts = sorted(by_rows)
+            counts = sorted(c for c, times in by_rows.items() if len(times) >= MIN_TIMINGS)
             self._medians = (np.array(counts, dtype=np.float64),
-                             np.array([np.median(by_rows[c]) for c in counts]))
+                             np.array([np.median(by_rows[c]) for c in counts])) if counts else None
         if self._medians is None:
             return None
         return np.interp(rows, *self._medians)
@@ -192,10 +199,7 @@ class Speculator:
         seconds = self.times.estimate(rows)
         if seconds is None:
             return longest
-        rates = np.array(rates)
-        # Expected accepted tokens of a draft of depth j: a + a^2 + ... + a^j
-        expected = rates * (1 - rates ** depths) / np.maximum(1 - rates, 1e-9)
-        tokens = num_decoding + expected.sum(axis=1)
+        tokens = num_decoding + depths @ np.array(rates)
         return int(caps[np.argmax(tokens / np.maximum(seconds, 1e-9))])
 
     def observe_step(self, rows: int, seconds: float) -> None:
