@@ -93,10 +93,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", choices=SPECULATIVE_CHOICES, default="off",
                         help="speculative decoding: ngram proposes the tokens that followed the "
                              "latest earlier occurrence of a sequence's last n tokens in its "
-                             "own prompt and output (prompt lookup); each step verifies them "
-                             "and keeps the longest accepted run, exactly (outputs are plain "
-                             "decoding's); proposals are sized per step from the measured "
-                             "acceptance and step times")
+                             "own prompt and output (prompt lookup), draft a small model's "
+                             "greedy tokens (--draft-model); each step verifies them and keeps "
+                             "the longest accepted run, exactly (outputs are plain decoding's); "
+                             "proposals are sized per step from the measured acceptance and "
+                             "step times")
+    parser.add_argument("--draft-model", default=None, metavar="PATH",
+                        help="--speculative draft: a model sharing the tokenizer (GGUF file or "
+                             "folder), run in the engine's process")
     parser.add_argument("--speculative-tokens", type=int, default=EngineConfig.speculative_tokens,
                         help="most tokens a sequence proposes per step")
     parser.add_argument("--ngram-min", type=int, default=EngineConfig.ngram_min,
@@ -131,7 +135,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 weight_packing=args.weight_packing,
                 compile=args.compile, speculative=args.speculative,
                 speculative_tokens=args.speculative_tokens, ngram_min=args.ngram_min,
-                ngram_max=args.ngram_max)
+                ngram_max=args.ngram_max, draft_model=args.draft_model)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

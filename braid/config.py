@@ -22,7 +22,7 @@ COMPILE_CHOICES = ["auto", "on", "off"]
 # --kv-cache-dtype: the model's dtype (auto), or int8 with one scale per token and KV head
 # (half the cache's bytes in bf16; braid.layers.attention's write_cache and gather_blocks).
 KV_CACHE_DTYPES = ["auto", "int8"]
-SPECULATIVE_CHOICES = ["off", "ngram"]
+SPECULATIVE_CHOICES = ["off", "ngram", "draft"]
 # `--dp-linear auto` from this many tokens per step. Measured (bench-dp-linear, the bench
 # preset's 2048 -> 2112 projection at tp 2): on the 2-core CPU host the token split already pays
 # at 32 tokens (0.79x per rank; 0.49-0.57x from 256); on an H200 the bf16 GEMM takes as long for
@@ -236,6 +236,7 @@ class EngineConfig:
     speculative_tokens: int = 16
     ngram_min: int = 1
     ngram_max: int = 4
+    draft_model: str | None = None  # --speculative draft: the proposing model
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -282,6 +283,8 @@ class EngineConfig:
         if self.speculative not in SPECULATIVE_CHOICES:
             raise UserError(f"--speculative must be one of {', '.join(SPECULATIVE_CHOICES)}, "
                             f"got {self.speculative!r}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise UserError("--speculative draft and --draft-model PATH go together")
         if self.speculative_tokens < 1:
             raise UserError("--speculative-tokens must be at least 1")
         if not 1 <= self.ngram_min <= self.ngram_max:

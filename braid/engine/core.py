@@ -216,9 +216,15 @@ class EngineCore:
         self.steps_by_path: Counter[str] = Counter()
         self.last_path = ""  # the path the latest step took (`StepResult.path`)
         self.compiled = False
-        self.speculator = (Speculator(NgramProposer(config.ngram_min, config.ngram_max),
-                                      config.speculative_tokens)
-                           if config.speculative == "ngram" else None)
+        self.speculator = None
+        if config.speculative == "ngram":
+            proposer = NgramProposer(config.ngram_min, config.ngram_max)
+            self.speculator = Speculator(proposer, config.speculative_tokens)
+        elif config.speculative == "draft":
+            from braid.engine.draft import DraftProposer  # loads a model: only where asked
+
+            self.speculator = Speculator(DraftProposer(config, model_config),
+                                         config.speculative_tokens)
 
     def compile_steps(self, job_tokens: int | None = None) -> None:
         """Compile (or load saved) steps where `--compile` asks for them: `on` at once, `auto`

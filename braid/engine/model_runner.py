@@ -191,6 +191,11 @@ class ModelRunner:
         result.path, result.grammar_wait_s = path, waited
         return result
 
+    @torch.inference_mode()
+    def logits(self, plan: StepPlan) -> torch.Tensor:
+        """The logits of the plan's logit rows (a one-rank model: a draft's proposals)."""
+        return self._forward(plan)[0]
+
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, str]:
         """Logits of the step's logit rows and the path it took (`STEP_PATHS`): the decode
         graph, or the operation list (with compiled pieces where prepared) straight or as two
