@@ -8,6 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from conftest import slow
 from engine_utils import RunnerExecutor, fake_core, fake_next_token, run_requests
 
 from braid.config import EngineConfig
@@ -192,7 +193,8 @@ def test_the_depth_cap_weighs_expected_tokens_against_measured_step_times():
         times.observe(4, seconds)
         times.observe(8, 2 * seconds)
     times.observe(12, 0.01)  # timed once: not yet weighed
-    assert times.estimate(np.array([2, 6, 20])).tolist() == pytest.approx([0.02, 0.03, 0.04])
+    assert times.estimate(np.array([2, 6, 16, 32])).tolist() == pytest.approx(
+        [0.02, 0.03, 0.04, 0.08])  # untimed beyond twice the largest count: in proportion
 
 
 # The real model: the engine core over a model runner in this process (tp 1)
@@ -218,6 +220,36 @@ def test_the_real_model_decodes_as_without_speculation(runner, tokenizer, prompt
         assert core.scheduler.num_accepted_tokens > 20
         assert core.scheduler.prefix_hits > 0
         assert (core.scheduler.num_preemptions > 0) == (cache_tokens == 160)
+
+
+@pytest.mark.parametrize("draft", [slow("tiny"), "same"])
+def test_a_draft_model_decodes_as_without_speculation(runner, tokenizer, prompt_ids, tiny_llama,
+                                                      model_path, draft):
+    """A random two-layer draft (sharing the tokenizer) proposes tokens the model rejects
+    almost always; the model itself as its own draft proposes what it then accepts. Both
+    decode what plain decoding does, with preemption on the second run."""
+    prompts = [tokenizer(COPY)["input_ids"], *prompt_ids[:2]]
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    draft_path = tiny_llama if draft == "tiny" else model_path
+
+    def generate(cache_tokens: int, **speculation) -> tuple[list[list[int]], EngineCore]:
+        config = EngineConfig(model=runner.engine.model, dtype="fp32",
+                              max_total_tokens=cache_tokens, speculative_tokens=4,
+                              **speculation)
+        core = EngineCore(config, runner.config, RunnerExecutor(runner))
+        return run_requests(core, prompts, params, eos=2), core
+
+    plain, _ = generate(4096)
+    for cache_tokens in (4096, 96):
+        outputs, core = generate(cache_tokens, speculative="draft", draft_model=draft_path)
+        assert outputs == plain
+        scheduler = core.scheduler
+        assert scheduler.num_draft_tokens > 0
+        if draft == "same":
+            assert scheduler.num_accepted_tokens > 0.9 * scheduler.num_draft_tokens
+        assert (scheduler.num_preemptions > 0) == (cache_tokens == 96)
+        core.speculator.propose([])  # the next step's: no sequence decodes any more
+        assert core.speculator.proposer.blocks.num_used == 0
 
 
 def test_ngram_proposer_skips_a_sequence_without_a_match():

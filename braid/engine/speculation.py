@@ -19,8 +19,10 @@ accepted by the scheduler (`Scheduler._record_tokens`); this module only propose
   that many rows; the best cap applies. At small batch a row is almost free (the weights are read
   once either way), at large batch on a compute-bound host rows cost what tokens are worth
   and speculation switches itself off. A row count never timed is assumed to cost what the
-  largest timed one does, so it is tried, timed, and from then on weighed; the timings
-  age out of the window, so a choice is re-probed as the load changes.
+  largest timed one does, up to twice that count (beyond, its time in proportion), so it is
+  tried, timed, and from then on weighed, and the counts explored grow by doubling, never to
+  a step many times longer than any seen; the timings age out of the window, so a choice is
+  re-probed as the load changes.
   A sequence whose rate fell too low to propose drifts back toward the prior while it does
   not propose, so text that turns repetitive later is tried again.
 """
@@ -38,7 +40,7 @@ from braid.engine.request import Sequence
 # A new sequence's acceptance rate, 0.5, as the counts of two proposed tokens
 PRIOR_ACCEPTED, PRIOR_PROPOSED = 1.0, 2.0
 DECAY = 0.8  # per verified step: the rate follows the last few steps' text
-IDLE_DECAY = 0.97  # per step without a proposal: back toward the prior in tens of steps
+IDLE_DECAY = 0.99  # per step without a proposal: back toward the prior in about 100 steps
 MIN_ACCEPTANCE = 0.05  # below this a sequence proposes nothing (also when rows are free)
 TIMES_WINDOW = 256  # latest decode steps whose times `StepTimes` keeps
 # Timings a row count needs before it is weighed: its first step may pay for the GEMM
@@ -144,7 +146,8 @@ class StepTimes:
 
     def estimate(self, rows: np.ndarray) -> np.ndarray | None:
         """Expected seconds of a step of each row count (None before a count was timed
-        enough): linear between timed counts, the nearest timed count's time outside them."""
+        enough): linear between timed counts, below them the smallest one's time, above them
+        the largest one's time up to twice its count and in proportion beyond."""
         if self._new >= 16 or (self._medians is None and self._new):
             self._new = 0
             by_rows: dict[int, list[float]] = {}
@@ -155,7 +158,9 @@ class StepTimes:
                              np.array([np.median(by_rows[c]) for c in counts])) if counts else None
         if self._medians is None:
             return None
-        return np.interp(rows, *self._medians)
+        counts, times = self._medians
+        largest = counts[-1]
+        return np.interp(rows, counts, times) * np.maximum(1.0, rows / (2 * largest))
 
 
 class Speculator:
@@ -180,7 +185,7 @@ class Speculator:
             if seq.grammar is None and room > 0 and state.rate >= MIN_ACCEPTANCE:
                 seqs.append(seq)
                 ks.append(room)
-        drafts = self.proposer.propose(seqs, ks) if seqs else []
+        drafts = self.proposer.propose(seqs, ks)  # also when empty: it may free state
         cap = self._best_cap(len(decoding), [s.speculation.rate for s in seqs],
                              [len(d) for d in drafts])
         for seq, draft in zip(seqs, drafts):
