@@ -8,11 +8,14 @@ tests on the embedded model (test_hf_parity)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import slow
 
 from braid import LLM, SamplingParams
+from braid.engine.draft import DraftProposer
 from braid.engine.speculation import NgramProposer, Speculator
 
 LOGIT_TOLERANCE = 2e-3
@@ -64,11 +67,18 @@ def test_compiled_steps_match_transformers_with_and_without_overlap(tp, comm, ti
         paths["all"] = dict(llm.core.steps_by_path)
         # Speculative decoding: k + 1 decode rows per sequence through the same graph (and
         # split between two micro-batches under overlap) decode the same tokens
+        scheduler = llm.core.scheduler
         llm.core.speculator = Speculator(NgramProposer(1, 4), 8)
         for overlap in ("off", "on") if tp > 1 else ("off",):
             assert greedy(llm, overlap) == ref_greedy
-        assert llm.core.scheduler.num_accepted_tokens > 0
+        assert scheduler.num_draft_tokens > 0  # (the random model copies little)
         assert llm.core.steps_by_path["graph"] > paths["all"]["graph"]
+        # ... and so do the proposals of a draft model (the model itself: all accepted)
+        draft = replace(llm.config, speculative="draft", draft_model=tiny_llama)
+        llm.core.speculator = Speculator(DraftProposer(draft, llm.model_config), 8)
+        accepted, drafted = scheduler.num_accepted_tokens, scheduler.num_draft_tokens
+        assert greedy(llm, "off") == ref_greedy
+        assert scheduler.num_accepted_tokens - accepted == scheduler.num_draft_tokens - drafted > 0
     assert set(paths["off"]) == {"pieces", "graph"}  # prompts, decode steps
     assert paths["off"]["graph"] >= 11
     if tp > 1:
