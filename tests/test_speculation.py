@@ -191,10 +191,13 @@ def test_the_depth_cap_weighs_expected_tokens_against_measured_step_times():
     times = StepTimes()
     for seconds in (0.5, 0.02, 0.02):  # the first step of a shape may build its kernels
         times.observe(4, seconds)
-        times.observe(8, 2 * seconds)
     times.observe(12, 0.01)  # timed once: not yet weighed
-    assert times.estimate(np.array([2, 6, 16, 32])).tolist() == pytest.approx(
-        [0.02, 0.03, 0.04, 0.08])  # untimed beyond twice the largest count: in proportion
+    # One count timed: the same time up to twice the count, in proportion beyond
+    assert times.estimate(np.array([2, 8, 16])).tolist() == pytest.approx([0.02, 0.02, 0.04])
+    for _ in range(16):
+        times.observe(8, 0.04)
+    # Linear between timed counts, the fitted slope beyond
+    assert times.estimate(np.array([2, 6, 16])).tolist() == pytest.approx([0.02, 0.03, 0.08])
 
 
 # The real model: the engine core over a model runner in this process (tp 1)

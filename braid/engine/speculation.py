@@ -18,11 +18,11 @@ accepted by the scheduler (`Scheduler._record_tokens`); this module only propose
   sequence, plus a * min(d, its draft)) over the measured (interpolated) time of a step of
   that many rows; the best cap applies. At small batch a row is almost free (the weights are read
   once either way), at large batch on a compute-bound host rows cost what tokens are worth
-  and speculation switches itself off. A row count never timed is assumed to cost what the
-  largest timed one does, up to twice that count (beyond, its time in proportion), so it is
-  tried, timed, and from then on weighed, and the counts explored grow by doubling, never to
-  a step many times longer than any seen; the timings age out of the window, so a choice is
-  re-probed as the load changes.
+  and speculation switches itself off. Beyond the largest timed row count, a step's time
+  grows by the slope fitted over the timed counts; with one count timed, a count up to twice
+  it is assumed to cost the same (beyond, in proportion), so it is tried, timed, and from
+  then on weighed. The timings age out of the window, so a choice is re-probed as the load
+  changes.
   A sequence whose rate fell too low to propose drifts back toward the prior while it does
   not propose, so text that turns repetitive later is tried again.
 """
@@ -147,7 +147,8 @@ class StepTimes:
     def estimate(self, rows: np.ndarray) -> np.ndarray | None:
         """Expected seconds of a step of each row count (None before a count was timed
         enough): linear between timed counts, below them the smallest one's time, above them
-        the largest one's time up to twice its count and in proportion beyond."""
+        the largest one's time plus the fitted slope (with one count timed: its time up to
+        twice its count, in proportion beyond)."""
         if self._new >= 16 or (self._medians is None and self._new):
             self._new = 0
             by_rows: dict[int, list[float]] = {}
@@ -159,8 +160,10 @@ class StepTimes:
         if self._medians is None:
             return None
         counts, times = self._medians
-        largest = counts[-1]
-        return np.interp(rows, counts, times) * np.maximum(1.0, rows / (2 * largest))
+        if len(counts) == 1:
+            return times[0] * np.maximum(1.0, rows / (2 * counts[0]))
+        slope = max(0.0, float(np.polyfit(counts, times, 1)[0]))
+        return np.interp(rows, counts, times) + slope * np.maximum(0, rows - counts[-1])
 
 
 class Speculator:
