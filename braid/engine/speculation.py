@@ -7,24 +7,24 @@ accepted by the scheduler (`Scheduler._record_tokens`); this module only propose
 - **Proposers.** `ngram` (prompt lookup, as vLLM's `ngram` and llama.cpp's lookup decoding):
   the latest earlier occurrence of the sequence's last n tokens (n from `ngram_max` down to
   `ngram_min`) in its own prompt and output, and the tokens that followed it there.
-- **Policy.** Each sequence keeps a recent acceptance rate `a` (accepted over proposed
-  tokens, decayed, starting from a prior): a draft of d tokens is expected to add a * d.
-  (Copying is all or nothing: a draft that matches the text being copied is accepted whole,
-  one from the wrong place is not, so the expected run grows with d as the share of whole
-  acceptances does; a geometric model, a^1 + ... + a^d, undervalued long drafts on
-  copy-heavy text and chose ones half as long.) Each step's time is measured by its row
-  count (`StepTimes`: the median of the latest decode steps of each count). Before a step,
-  every candidate depth cap d is weighed: the tokens the step is expected to yield (one per
-  sequence, plus a * min(d, its draft)) over the measured (interpolated) time of a step of
-  that many rows; the best cap applies. At small batch a row is almost free (the weights are read
-  once either way), at large batch on a compute-bound host rows cost what tokens are worth
-  and speculation switches itself off. Beyond the largest timed row count, a step's time
-  grows by the slope fitted over the timed counts; with one count timed, a count up to twice
-  it is assumed to cost the same (beyond, in proportion), so it is tried, timed, and from
-  then on weighed. The timings age out of the window, so a choice is re-probed as the load
-  changes.
-  A sequence whose rate fell too low to propose drifts back toward the prior while it does
-  not propose, so text that turns repetitive later is tried again.
+- **Policy.** Each sequence keeps a recent acceptance rate `a` (the accepted share of its drafts,
+  averaged with decay, so one long rejected draft does not silence a sequence that copies): a
+  draft of d tokens is expected to add a * d. (Copying is all or nothing: a draft that matches the
+  text being copied is accepted whole, one from the wrong place is not, so the expected run grows
+  with d as the share of whole acceptances does; a geometric model, a^1 + ... + a^d, undervalued
+  long drafts on copy-heavy text and chose ones half as long.) A step's time is a line in its row
+  count (`StepTimes`, fitted to the medians of the latest decode steps of each count; neighbouring
+  medians are too noisy to difference: a step of 34 rows came out faster than one of 32). Before a
+  step, every candidate depth cap d is weighed: the tokens the step is expected to yield (one per
+  sequence, plus a * min(d, its draft)) over the fitted time of a step of that many rows; the best
+  cap applies. At small batch a row is almost free (the weights are read once either way), at
+  large batch on a compute-bound host rows cost what tokens are worth and speculation switches
+  itself off. With one count timed, a count up to twice it is assumed to cost the same (beyond, in
+  proportion), so it is tried, timed, and from then on weighed; the timings age out of the window,
+  so a choice is re-probed as the load changes. A new sequence starts from the rate of the
+  sequences before it (a new random-text request does not propose 16 tokens just to learn it
+  should not), and a sequence, like that shared rate, drifts back toward 0.5 while it does not
+  propose, so text that turns repetitive later is tried again.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ import numpy as np
 
 from braid.engine.request import Sequence
 
-# A new sequence's acceptance rate, 0.5, as the counts of two proposed tokens
-PRIOR_ACCEPTED, PRIOR_PROPOSED = 1.0, 2.0
+PRIOR_RATE = 0.5  # the acceptance rate before any draft was verified
 DECAY = 0.8  # per verified step: the rate follows the last few steps' text
-IDLE_DECAY = 0.99  # per step without a proposal: back toward the prior in about 100 steps
+IDLE_DECAY = 0.998  # per step without a draft: from 0.02 back to MIN_ACCEPTANCE in ~30 steps
+TRAFFIC_DECAY = 0.98  # per sequence's verified draft: the traffic's rate, over ~50 drafts
 MIN_ACCEPTANCE = 0.05  # below this a sequence proposes nothing (also when rows are free)
 TIMES_WINDOW = 256  # latest decode steps whose times `StepTimes` keeps
 # Timings a row count needs before it is weighed: its first step may pay for the GEMM
@@ -102,38 +102,50 @@ class NgramProposer:
 
 
 @dataclass
-class SequenceSpeculation:
-    """One sequence's speculation state: its acceptance rate's decayed counts, the draft it
-    proposed last and its length then (to learn how much was accepted), and the proposer's
-    own state (an `NgramIndex`)."""
+class AcceptanceRate:
+    """The accepted share of drafts, averaged with decay: a sequence's, or the traffic's."""
 
-    accepted: float = PRIOR_ACCEPTED
-    proposals: float = PRIOR_PROPOSED
+    rate: float = PRIOR_RATE
+
+    def add(self, accepted: int, proposed: int, decay: float) -> None:
+        self.rate = decay * self.rate + (1 - decay) * accepted / proposed
+
+    def relax(self) -> None:
+        """A step without a verified draft: a little back toward the prior."""
+        self.rate = IDLE_DECAY * self.rate + (1 - IDLE_DECAY) * PRIOR_RATE
+
+    def copy(self) -> AcceptanceRate:
+        return AcceptanceRate(self.rate)
+
+
+@dataclass
+class SequenceSpeculation:
+    """One sequence's speculation state: its acceptance rate, the draft it proposed last and
+    its length then (to learn how much was accepted), and the proposer's own state (an
+    `NgramIndex`)."""
+
+    acceptance: AcceptanceRate
     proposed: int = 0
     tokens_then: int = 0
     index: NgramIndex | None = None
 
-    @property
-    def rate(self) -> float:
-        return self.accepted / self.proposals
-
-    def learn(self, num_tokens: int) -> None:
-        """Count how much of the last draft was accepted, now that the sequence has
-        `num_tokens` tokens (a draft not verified, its sequence preempted, counts nothing)."""
+    def learn(self, num_tokens: int) -> int | None:
+        """How much of the last draft was accepted, now that the sequence has `num_tokens`
+        tokens (None: it proposed nothing, or its draft was not verified, its sequence
+        preempted), counted in its rate."""
+        accepted = None
         if self.proposed and num_tokens > self.tokens_then:
             accepted = min(num_tokens - self.tokens_then - 1, self.proposed)
-            self.accepted = DECAY * self.accepted + accepted
-            self.proposals = DECAY * self.proposals + self.proposed
+            self.acceptance.add(accepted, self.proposed, DECAY)
         elif not self.proposed:
-            self.accepted = IDLE_DECAY * self.accepted + (1 - IDLE_DECAY) * PRIOR_ACCEPTED
-            self.proposals = IDLE_DECAY * self.proposals + (1 - IDLE_DECAY) * PRIOR_PROPOSED
+            self.acceptance.relax()
         self.proposed = 0
+        return accepted
 
 
 class StepTimes:
-    """Decode step times by row count: the median of each count timed at least
-    `MIN_TIMINGS` times over the latest `TIMES_WINDOW` decode steps, interpolated between
-    counts."""
+    """Decode step time as a line in the row count, fitted to the medians of the counts timed
+    at least `MIN_TIMINGS` times over the latest `TIMES_WINDOW` decode steps."""
 
     def __init__(self) -> None:
         self._steps: deque[tuple[int, float]] = deque(maxlen=TIMES_WINDOW)
@@ -146,9 +158,8 @@ class StepTimes:
 
     def estimate(self, rows: np.ndarray) -> np.ndarray | None:
         """Expected seconds of a step of each row count (None before a count was timed
-        enough): linear between timed counts, below them the smallest one's time, above them
-        the largest one's time plus the fitted slope (with one count timed: its time up to
-        twice its count, in proportion beyond)."""
+        enough): the fitted line, never falling with more rows (with one count timed: its
+        time up to twice its count, in proportion beyond)."""
         if self._new >= 16 or (self._medians is None and self._new):
             self._new = 0
             by_rows: dict[int, list[float]] = {}
@@ -162,8 +173,10 @@ class StepTimes:
         counts, times = self._medians
         if len(counts) == 1:
             return times[0] * np.maximum(1.0, rows / (2 * counts[0]))
-        slope = max(0.0, float(np.polyfit(counts, times, 1)[0]))
-        return np.interp(rows, counts, times) + slope * np.maximum(0, rows - counts[-1])
+        slope, base = np.polyfit(counts, times, 1)
+        if slope < 0:
+            slope, base = 0.0, float(times.mean())
+        return base + slope * rows
 
 
 class Speculator:
@@ -173,23 +186,31 @@ class Speculator:
         self.proposer = proposer
         self.max_tokens = max_tokens
         self.times = StepTimes()
+        self.traffic = AcceptanceRate()  # every sequence's verified proposals
 
     def propose(self, decoding: list[Sequence]) -> None:
         """Drafts for the sequences about to decode (none where speculation does not pay, or
         cannot apply: a grammar constrains the sequence, or it is about to end)."""
         seqs, ks = [], []
+        verified = False
         for seq in decoding:
             if seq.speculation is None:
-                seq.speculation = SequenceSpeculation()
+                seq.speculation = SequenceSpeculation(self.traffic.copy())
             state = seq.speculation
-            state.learn(seq.num_tokens)
+            proposed = state.proposed
+            accepted = state.learn(seq.num_tokens)
+            if accepted is not None:
+                self.traffic.add(accepted, proposed, TRAFFIC_DECAY)
+                verified = True
             seq.draft = []
             room = min(seq.params.max_new_tokens - len(seq.output_ids) - 1, self.max_tokens)
-            if seq.grammar is None and room > 0 and state.rate >= MIN_ACCEPTANCE:
+            if seq.grammar is None and room > 0 and state.acceptance.rate >= MIN_ACCEPTANCE:
                 seqs.append(seq)
                 ks.append(room)
+        if not verified:
+            self.traffic.relax()
         drafts = self.proposer.propose(seqs, ks)  # also when empty: it may free state
-        cap = self._best_cap(len(decoding), [s.speculation.rate for s in seqs],
+        cap = self._best_cap(len(decoding), [s.speculation.acceptance.rate for s in seqs],
                              [len(d) for d in drafts])
         for seq, draft in zip(seqs, drafts):
             seq.draft = draft[:cap]
