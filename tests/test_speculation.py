@@ -11,7 +11,7 @@ import pytest
 from conftest import slow
 from engine_utils import RunnerExecutor, fake_core, fake_next_token, run_requests
 
-from braid.config import EngineConfig
+from braid.config import EngineConfig, UserError
 from braid.engine.core import EngineCore
 from braid.engine.kv_cache import BlockManager
 from braid.engine.request import SamplingParams, Sequence
@@ -262,3 +262,13 @@ def test_ngram_proposer_skips_a_sequence_without_a_match():
     seq.speculation = SequenceSpeculation(AcceptanceRate())
     assert proposer.propose([seq], [4]) == [[]]
 
+
+
+def test_speculation_flags_are_checked():
+    for bad, flag in [({"speculative": "draft"}, "--draft-model"),
+                      ({"draft_model": "x"}, "--draft-model"),
+                      ({"speculative": "medusa"}, "--speculative"),
+                      ({"speculative_tokens": 0}, "--speculative-tokens"),
+                      ({"ngram_min": 3, "ngram_max": 2}, "--ngram-min")]:
+        with pytest.raises(UserError, match=flag):
+            EngineConfig(model="m", **bad)
