@@ -41,10 +41,10 @@ def test_a_request_whose_plan_fails_fails_alone(monkeypatch):
     # injected into its penalty's history) ends that request; before, it ended the engine.
     real = plan_module._penalty
 
-    def penalty(seq):
+    def penalty(seq, drafted):
         if seq.request_id == "bad":
             raise OverflowError("Python int too large to convert to C long")
-        return real(seq)
+        return real(seq, drafted)
 
     monkeypatch.setattr(plan_module, "_penalty", penalty)
     core, _ = fake_core()
@@ -58,14 +58,14 @@ def test_a_request_whose_plan_fails_fails_alone(monkeypatch):
 
 
 def test_a_request_whose_token_cannot_be_recorded_fails_alone(monkeypatch):
-    real = scheduler_module.Scheduler._record_token
+    real = scheduler_module.Scheduler._record_tokens
 
-    def record(self, seq, result, row):
+    def record(self, seq, result, rows):
         if seq.request_id == "bad" and len(seq.output_ids) == 2:
             raise RuntimeError("injected")
-        return real(self, seq, result, row)
+        return real(self, seq, result, rows)
 
-    monkeypatch.setattr(scheduler_module.Scheduler, "_record_token", record)
+    monkeypatch.setattr(scheduler_module.Scheduler, "_record_tokens", record)
     core, _ = fake_core()
     for request_id in ("a", "bad", "b"):
         core.add(Request(request_id, prompt(30), GREEDY))
