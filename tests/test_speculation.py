@@ -226,7 +226,8 @@ def test_the_real_model_decodes_as_without_speculation(runner, tokenizer, prompt
         assert (core.scheduler.num_preemptions > 0) == (cache_tokens == 160)
 
 
-@pytest.mark.parametrize("draft", [slow("tiny"), slow("same")])  # default: compiled parity
+# Slow: by default the compiled-parity test runs a draft model at tp 1 and 2
+@pytest.mark.parametrize("draft", [slow("tiny"), slow("same")])
 def test_a_draft_model_decodes_as_without_speculation(runner, tokenizer, prompt_ids, tiny_llama,
                                                       model_path, draft):
     """A random two-layer draft (sharing the tokenizer) proposes tokens the model rejects
