@@ -41,10 +41,10 @@ def test_a_request_whose_plan_fails_fails_alone(monkeypatch):
     # injected into its penalty's history) ends that request; before, it ended the engine.
     real = plan_module._penalty
 
-    def penalty(seq, drafted):
+    def penalty(seq, *args):
         if seq.request_id == "bad":
             raise OverflowError("Python int too large to convert to C long")
-        return real(seq, drafted)
+        return real(seq, *args)
 
     monkeypatch.setattr(plan_module, "_penalty", penalty)
     core, _ = fake_core()

@@ -25,6 +25,7 @@ from braid.distributed.comm import SkipCommunicator
 from braid.engine.batch import StepPlan
 from braid.engine.kv_cache import BlockManager
 from braid.engine.model_runner import ModelRunner
+from braid.engine.plan import slot_mapping
 from braid.engine.request import Sequence
 from braid.loader.model_config import load_model_config
 
@@ -107,10 +108,9 @@ class DraftProposer:
         tables = np.zeros((len(rows), max(len(c.blocks) for _, _, c in rows)), dtype=np.int64)
         for i, (_, _, cache) in enumerate(rows):
             tables[i, :len(cache.blocks)] = cache.blocks
-        slots = (tables[np.repeat(np.arange(len(rows)), q_lens), positions // bs] * bs
-                 + positions % bs)
         plan = StepPlan(np.concatenate([tokens for tokens, _, _ in rows]).astype(np.int64),
-                        positions.astype(np.int64), slots.astype(np.int64), q_lens,
+                        positions.astype(np.int64),
+                        slot_mapping(tables, q_lens, positions, bs).astype(np.int64), q_lens,
                         positions[np.cumsum(q_lens) - 1] + 1, tables,
                         logit_rows=np.cumsum(q_lens) - 1)
         logits = self.runner.logits(plan)

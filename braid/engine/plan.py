@@ -43,6 +43,14 @@ def _attention_rows(seq: Sequence) -> list[tuple[int, int]]:
     return [(start, start + seq.scheduled_tokens)]
 
 
+def slot_mapping(tables: np.ndarray, q_lens: np.ndarray, positions: np.ndarray,
+                 block_size: int) -> np.ndarray:
+    """The KV cache slot of each token: row b of `tables` holds the blocks of the `q_lens[b]`
+    tokens at `positions` (concatenated by row)."""
+    rows = np.repeat(np.arange(len(q_lens)), q_lens)
+    return tables[rows, positions // block_size] * block_size + positions % block_size
+
+
 def build_plan(batch: list[Sequence], block_size: int,
                step_id: int) -> tuple[StepPlan, list[SequenceRows]]:
     """The plan of one step in which each sequence computes its `scheduled_tokens` tokens
@@ -58,8 +66,7 @@ def build_plan(batch: list[Sequence], block_size: int,
     tables = np.zeros((len(attention), max(len(s.blocks) for s in batch)), dtype=np.int64)
     for row, (seq, _, _) in enumerate(attention):
         tables[row, :len(seq.blocks)] = seq.blocks
-    row_index = np.repeat(np.arange(len(attention)), q_lens)
-    slots = tables[row_index, positions // block_size] * block_size + positions % block_size
+    slots = slot_mapping(tables, q_lens, positions, block_size)
 
     logit_rows: list[int] = []
     sampled: list[tuple[Sequence, int]] = []  # (sequence, how many draft tokens precede)
@@ -108,6 +115,9 @@ def sampling_batch(rows: list[Sequence] | list[tuple[Sequence, int]]) -> Samplin
     penalties' history and `min_tokens` count those j tokens as generated)."""
     rows = [row if isinstance(row, tuple) else (row, 0) for row in rows]
     params = [s.params for s, _ in rows]
+    # A sequence's prompt tokens, once for all its rows (penalized sequences only)
+    prompts = {id(s): np.unique(np.array(s.prompt_ids, dtype=np.int64))
+               for s, _ in rows if s.params.penalized}
     return SamplingBatch(
         temperatures=np.array([p.temperature for p in params], dtype=np.float32),
         top_ks=np.array([p.top_k for p in params], dtype=np.int64),  # < 2**31: SamplingParams
@@ -118,18 +128,19 @@ def sampling_batch(rows: list[Sequence] | list[tuple[Sequence, int]]) -> Samplin
         num_logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in params],
                               dtype=np.int64),
         scored_ids=[p.logprob_token_ids for p in params],
-        penalties=[_penalty(s, j) for s, j in rows],
+        penalties=[_penalty(s, j, prompts.get(id(s))) for s, j in rows],
         banned=[_banned(s, j) for s, j in rows],
         biases=[p.logit_bias for p in params],
     )
 
 
-def _penalty(seq: Sequence, drafted: int) -> Penalty | None:
+def _penalty(seq: Sequence, drafted: int, prompt_ids: np.ndarray | None) -> Penalty | None:
+    """The penalties of the row after `drafted` draft tokens (`prompt_ids`: the prompt's
+    unique tokens)."""
     p = seq.params
     if not p.penalized:
         return None
-    return Penalty(p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
-                   np.unique(np.array(seq.prompt_ids, dtype=np.int64)),
+    return Penalty(p.repetition_penalty, p.presence_penalty, p.frequency_penalty, prompt_ids,
                    np.array(seq.output_ids + seq.draft[:drafted], dtype=np.int64))
 
 

@@ -280,9 +280,10 @@ class Scheduler:
                 # are not, and its slots are overwritten by the tokens that follow.
                 seq.num_computed = min(computed, seq.num_tokens - 1)
                 self.blocks.register(seq)
-                if seq.draft:
-                    self.blocks.free(seq.blocks[-(-seq.num_tokens // self.blocks.block_size):])
-                    del seq.blocks[-(-seq.num_tokens // self.blocks.block_size):]
+                if seq.draft:  # blocks past its tokens go back
+                    keep = self.blocks.blocks_needed(seq.num_tokens, 0)
+                    self.blocks.free(seq.blocks[keep:])
+                    del seq.blocks[keep:]
                     seq.draft = []
                 if delta is not None and delta.finish_reason is not None:
                     self._finish(seq, delta.finish_reason)

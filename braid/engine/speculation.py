@@ -149,8 +149,8 @@ class StepTimes:
 
     def __init__(self) -> None:
         self._steps: deque[tuple[int, float]] = deque(maxlen=TIMES_WINDOW)
-        self._medians: tuple[np.ndarray, np.ndarray] | None = None
-        self._new = 0  # steps timed since the medians were taken
+        self._line: tuple[float, float, float | None] | None = None  # `_fit`'s
+        self._new = 0  # steps timed since the line was fitted
 
     def observe(self, rows: int, seconds: float) -> None:
         self._steps.append((rows, seconds))
@@ -160,23 +160,32 @@ class StepTimes:
         """Expected seconds of a step of each row count (None before a count was timed
         enough): the fitted line, never falling with more rows (with one count timed: its
         time up to twice its count, in proportion beyond)."""
-        if self._new >= 16 or (self._medians is None and self._new):
+        if self._new >= 16 or (self._line is None and self._new):
             self._new = 0
             by_rows: dict[int, list[float]] = {}
             for count, seconds in self._steps:
                 by_rows.setdefault(count, []).append(seconds)
             counts = sorted(c for c, times in by_rows.items() if len(times) >= MIN_TIMINGS)
-            self._medians = (np.array(counts, dtype=np.float64),
-                             np.array([np.median(by_rows[c]) for c in counts])) if counts else None
-        if self._medians is None:
+            self._line = self._fit(np.array(counts, dtype=np.float64),
+                                   np.array([np.median(by_rows[c]) for c in counts]))
+        if self._line is None:
             return None
-        counts, times = self._medians
+        base, slope, explored = self._line
+        if explored is not None:  # one count timed
+            return base * np.maximum(1.0, rows / (2 * explored))
+        return base + slope * rows
+
+    @staticmethod
+    def _fit(counts: np.ndarray, times: np.ndarray) -> tuple[float, float, float | None] | None:
+        """(base, slope, the one count timed or None) of the medians by row count."""
+        if len(counts) == 0:
+            return None
         if len(counts) == 1:
-            return times[0] * np.maximum(1.0, rows / (2 * counts[0]))
+            return float(times[0]), 0.0, float(counts[0])
         slope, base = np.polyfit(counts, times, 1)
         if slope < 0:
-            slope, base = 0.0, float(times.mean())
-        return base + slope * rows
+            return float(times.mean()), 0.0, None
+        return float(base), float(slope), None
 
 
 class Speculator:
