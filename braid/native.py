@@ -6,7 +6,9 @@ into `torch.ops.braid`:
 - decode and prefill attention over the paged KV cache, the one-row GEMV, RMSNorm and the
   oneDNN linear over packed weights (`braid.layers.decode_kernel`, `braid.layers.quant`,
   `braid.layers.fused`);
-- grammar bitmasks applied to logits (`token_bitmask.cpp`: `braid.engine.sampler`).
+- grammar bitmasks applied to logits (`token_bitmask.cpp`: `braid.engine.sampler`);
+- partial sums packed as int8 blocks and summed back (`int8_blocks.cpp`:
+  `braid.distributed.compression`).
 
 The library is compiled with the host's compiler for the host's vector ISA (as inductor builds
 its kernels), on first use, with a progress line: about a minute on 2 cores. It is kept under
@@ -135,6 +137,14 @@ def _register_fakes() -> None:
     @fake("braid::packed_linear")  # (the weight is a number: see csrc/packed_linear.cpp)
     def _(x, weight, out_features, bias, activation, other):
         return x.new_empty(x.shape[0], out_features)
+
+    @fake("braid::quantize_blocks")
+    def _(x):
+        return x.new_empty(x.numel() + x.numel() // 64 * 4, dtype=torch.int8)
+
+    @fake("braid::dequantize_sum")
+    def _(gathered, ranks, like, residual):
+        return torch.empty_like(like, memory_format=torch.contiguous_format)
 
     @fake("braid::shm_post")
     def _(x, sequence, ring):

@@ -195,3 +195,21 @@ def show_a_progress_bar(rank, world_size, conn):
     for _ in tqdm(range(2), disable=False):
         pass
     conn.send(("ok", "shown"))
+
+
+def compressed_sums(rank, world_size, conn, kind):
+    """Each rank's seeded partial sums reduced compressed over gloo, plain and overlapped (two
+    reduces in flight); answers the results and the inputs."""
+    from braid.distributed.comm import SwitchableCommunicator, TorchCommunicator
+
+    comm = SwitchableCommunicator(TorchCommunicator(rank, world_size))
+    comm.compression = kind
+    partials = [torch.randn(37, 576, generator=torch.Generator().manual_seed(10 * r + 1),
+                            dtype=dtype) * 3 for r in range(world_size)
+                for dtype in (torch.float32, torch.bfloat16)]
+    mine = partials[rank * 2: rank * 2 + 2]
+    residual = torch.ones(37, 576)
+    pending = [comm.all_reduce_async(x) for x in mine]
+    sums = [comm.wait_sum(pending[1]), comm.wait_sum(pending[0], residual)]
+    conn.send(("ok", (sums, partials)))
+    conn.recv()  # "stop": a rank that returns early reads as a dead one

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from braid.distributed import compression
 from braid.overlap.trace import tracer
 
 Pending = tuple[torch.Tensor, ...]
@@ -200,10 +201,12 @@ class SkipCommunicator(Communicator):
 
 
 class SwitchableCommunicator(Communicator):
-    """Delegates to the real backend, or to `SkipCommunicator` while `skip` is set.
+    """Delegates to the real backend, or to `SkipCommunicator` while `skip` is set; sums
+    travel compressed (`braid.distributed.compression`) while `compression` is not "none".
 
-    Lets one launch measure a step with and without communication (exposed communication);
-    `skip` changes between steps only, never while a collective is in flight.
+    Lets one launch measure a step with and without communication (exposed communication), and
+    the engine choose compression per step; both change between steps only, never while a
+    collective is in flight.
     """
 
     def __init__(self, real: Communicator, skip: bool = False) -> None:
@@ -211,15 +214,23 @@ class SwitchableCommunicator(Communicator):
         self.real = real
         self.skipping = SkipCommunicator(real.rank, real.world_size)
         self.skip = skip
+        self.compression = "none"
 
     def _backend(self) -> Communicator:
         return self.skipping if self.skip else self.real
 
     def _post_reduce(self, x: torch.Tensor) -> Pending:
-        return self._backend()._post_reduce(x)
+        if self.compression == "none" or self.skip:
+            return self._backend()._post_reduce(x)
+        # The partial sum itself rides along: its shape and dtype say how to unpack.
+        return (*self.real._post_gather(compression.pack(x, self.compression)), x)
 
     def _finish_reduce(self, pending: Pending, residual: torch.Tensor | None) -> torch.Tensor:
-        return self._backend()._finish_reduce(pending, residual)
+        if self.compression == "none" or self.skip:
+            return self._backend()._finish_reduce(pending, residual)
+        *posted, partial = pending
+        return compression.unpack_sum(self.real._finish_gather(tuple(posted)),
+                                      self.compression, self.world_size, partial, residual)
 
     def _post_gather(self, x: torch.Tensor) -> Pending:
         return self._backend()._post_gather(x)

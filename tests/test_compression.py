@@ -1,0 +1,89 @@
+"""Compressed partial sums (`--comm-compression`): the error of an int8 sum is bounded against
+the exact one, every rank gets the same bits, and the C++ packing matches the ATen one."""
+
+from __future__ import annotations
+
+import pytest
+import rank_targets
+import torch
+
+from braid.distributed import compression
+from braid.distributed.launch import RankGroup
+
+
+def partial_sums(ranks: int, dtype: torch.dtype, shape=(300, 576)) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    # a few large channels, as real activations have: their blocks quantize more coarsely
+    outliers = 1 + 30 * (torch.rand(shape[-1], generator=g) > 0.98)
+    return [(torch.randn(shape, generator=g) * outliers).to(dtype) for _ in range(ranks)]
+
+
+def gathered(partials: list[torch.Tensor], kind: str) -> torch.Tensor:
+    return torch.cat([compression.pack(x.contiguous(), kind) for x in partials])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(300, 576), (7, 100)])  # 100: a block padded with zeros
+def test_int8_sum_error_is_bounded_and_halves_the_bytes(dtype, shape):
+    partials = partial_sums(2, dtype, shape)
+    total = compression.unpack_sum(gathered(partials, "int8"), "int8", 2, partials[0])
+    exact = sum(x.float() for x in partials)
+    error = (total.float() - exact).abs()
+    assert total.dtype == dtype and total.shape == partials[0].shape
+    assert (error <= compression.max_error(partials)).all()
+    assert error.max() > 0  # it is lossy: the bound is what holds
+    bf16_bytes = partials[0].numel() * 2
+    if shape[-1] % compression.BLOCK == 0:
+        assert compression.pack(partials[0], "int8").numel() <= 0.54 * bf16_bytes
+
+
+def test_residual_is_added_after_the_sum():
+    partials = partial_sums(3, torch.float32)
+    residual = torch.randn(partials[0].shape)
+    packed = gathered(partials, "int8")
+    with_residual = compression.unpack_sum(packed, "int8", 3, partials[0], residual)
+    alone = compression.unpack_sum(packed, "int8", 3, partials[0])
+    torch.testing.assert_close(with_residual, alone + residual)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_packing_equals_aten(monkeypatch, dtype):
+    from braid import native
+
+    if not native.load():
+        pytest.skip("braid's C++ operators are not built on this host")
+    partials = partial_sums(2, dtype)
+    cpp = gathered(partials, "int8")
+    cpp_sum = compression.unpack_sum(cpp, "int8", 2, partials[0])
+    monkeypatch.setattr(compression, "_uses_native", lambda x: False)
+    aten = gathered(partials, "int8")
+    assert torch.equal(cpp, aten)
+    # the sums differ only by fp32 rounding (the compiler may fuse the multiply-add)
+    torch.testing.assert_close(cpp_sum, compression.unpack_sum(aten, "int8", 2, partials[0]))
+
+
+def test_bf16_compression_rounds_fp32_sums():
+    partials = partial_sums(2, torch.float32)
+    total = compression.unpack_sum(gathered(partials, "bf16"), "bf16", 2, partials[0])
+    rounded = sum(x.bfloat16().float() for x in partials)
+    torch.testing.assert_close(total, rounded)
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_ranks_get_identical_compressed_sums_over_gloo(kind):
+    group = RankGroup(2, rank_targets.compressed_sums, (kind,))
+    try:
+        (sums0, partials), (sums1, _) = group.gather(timeout=120)
+    finally:
+        group.close()
+    for a, b in zip(sums0, sums1):
+        assert torch.equal(a, b)  # the same bits on every rank: activations stay in step
+    # sums: the bf16 pair's, then the fp32 pair's plus a residual of ones
+    fp32, bf16 = [partials[0], partials[2]], [partials[1], partials[3]]
+    exact = sum(x.float() for x in fp32) + 1
+    if kind == "int8":
+        assert ((sums0[0].float() - sum(x.float() for x in bf16)).abs()
+                <= compression.max_error(bf16)).all()
+        assert ((sums0[1] - exact).abs() <= compression.max_error(fp32)).all()
+    else:
+        torch.testing.assert_close(sums0[1], sum(x.bfloat16().float() for x in fp32) + 1)
