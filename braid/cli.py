@@ -14,6 +14,7 @@ from pathlib import Path
 
 from braid.config import (
     COMM_CHOICES,
+    COMM_COMPRESSION_CHOICES,
     COMPILE_CHOICES,
     DTYPE_CHOICES,
     KV_CACHE_DTYPES,
@@ -38,7 +39,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "(torch.distributed: gloo on CPU, NCCL on GPU); auto picks shm "
                              "where it applies")
     parser.add_argument("--comm-timeout", type=float, default=60.0, metavar="S",
-                        help="seconds a collective waits for the other ranks before failing")
+                        help="seconds a collective waits for the other ranks before failing "
+                             "(across hosts: how soon a lost host ends the launch)")
+    parser.add_argument("--comm-compression", choices=COMM_COMPRESSION_CHOICES, default="auto",
+                        help="how partial sums cross the network: int8 (per 64-element "
+                             "scales, about half of bf16's bytes), bf16 (for fp32 models), "
+                             "none; auto learns per step size whether int8 pays where the "
+                             "ranks span hosts, else none")
     parser.add_argument("--skip-comm", action="store_true",
                         help="turn collectives into no-ops (wrong outputs; timing only)")
     parser.add_argument("--max-total-tokens", type=int, default=32768,
@@ -57,21 +64,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-cache", dest="prefix_caching", action="store_false",
                         help="do not share the KV blocks of prompts that start alike")
     parser.add_argument("--overlap", choices=SWITCH_CHOICES, default="auto",
-                        help="two-batch overlap: on, off, or auto (on from --overlap-min-tokens)")
+                        help="two-batch overlap: on, off, or auto (with several ranks, learned "
+                             "per step size while running: each setting probed, the faster "
+                             "kept, probed again when times drift)")
     parser.add_argument("--overlap-min-tokens", type=int, default=None,
-                        help="tokens per step from which --overlap auto splits the batch "
-                             "(default: 512 over gloo, 1024 over NCCL, 32768 over shm; "
-                             "measure yours with bench-one-batch --overlap-sweep)")
+                        help="make --overlap auto a fixed rule instead: split from this many "
+                             "tokens per step (bench-one-batch --overlap-sweep measures it)")
     parser.add_argument("--tbo-token-distribution-threshold", type=float, default=0.48,
                         help="smallest token share of a micro-batch before a sequence is cut "
                              "in two instead")
     parser.add_argument("--dp-linear", choices=SWITCH_CHOICES, default="auto",
                         help="split replicated projections (DeepSeek's fused q_a/kv_a) over "
-                             "tokens and all-gather: on, off, or auto (from "
-                             "--dp-linear-min-tokens tokens per step)")
+                             "tokens and all-gather: on, off, or auto (learned per step size, "
+                             "as --overlap auto)")
     parser.add_argument("--dp-linear-min-tokens", type=int, default=None,
-                        help="tokens per step from which --dp-linear auto splits (default: 32 "
-                             "on CPU, 4096 on CUDA; measure yours with bench-dp-linear)")
+                        help="make --dp-linear auto a fixed rule instead: split from this many "
+                             "tokens per step (bench-dp-linear measures it)")
     parser.add_argument("--quantization", choices=["none", "int8"], default="none",
                         help="int8: per-channel int8 copies of the linear weights, used by GEMMs "
                              "of a few rows (decode at small batch; bf16/fp16 models)")
@@ -122,8 +130,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """`LLM` keyword arguments from the engine flags."""
     return dict(model=args.model, tp=args.tp, dtype=args.dtype, comm=args.comm,
-                comm_timeout_s=args.comm_timeout, skip_comm=args.skip_comm,
-                max_total_tokens=args.max_total_tokens,
+                comm_timeout_s=args.comm_timeout, comm_compression=args.comm_compression,
+                skip_comm=args.skip_comm, max_total_tokens=args.max_total_tokens,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_running_requests=args.max_running_requests,
                 max_skip_age_s=args.max_skip_age_s, prefix_caching=args.prefix_caching,

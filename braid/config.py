@@ -23,20 +23,9 @@ COMPILE_CHOICES = ["auto", "on", "off"]
 # (half the cache's bytes in bf16; braid.layers.attention's write_cache and gather_blocks).
 KV_CACHE_DTYPES = ["auto", "int8"]
 SPECULATIVE_CHOICES = ["off", "ngram", "draft"]
-# `--dp-linear auto` from this many tokens per step. Measured (bench-dp-linear, the bench
-# preset's 2048 -> 2112 projection at tp 2): on the 2-core CPU host the token split already pays
-# at 32 tokens (0.79x per rank; 0.49-0.57x from 256); on an H200 the bf16 GEMM takes as long for
-# half the tokens up to 1024 and 0.65x at 4096, before any all-gather.
-DP_LINEAR_MIN_TOKENS = {"cpu": 32, "cuda": 4096}
-# `--overlap auto` from this many tokens per step, by collective backend. Measured on the
-# 2-core CPU host (`bench-one-batch --overlap-sweep`, tp 2, prompts of 512, off and on
-# interleaved, best of 5): over gloo overlap hides enough to pay from 512 tokens (1.28x at
-# 512, 1.21x at 1024, 1.06x at 4096 and 8192); over shm the block sums leave only the
-# ranks' skew to hide, and two half-size micro-batches cost more than that (0.84x at 1024,
-# 0.87x at 2048, 0.92x at 4096, 0.98x at 8192; 0.96x at 16384 in an earlier sweep), so auto
-# never splits over shm below 32768 tokens a step. NCCL keeps the earlier shared default
-# (not measured: one GPU here).
-OVERLAP_MIN_TOKENS = {"shm": 32768, "gloo": 512, "nccl": 1024}
+# --comm-compression: how partial sums travel (braid.distributed.compression); auto: learned
+# per step size where the ranks span hosts (braid.engine.step_choice), else none.
+COMM_COMPRESSION_CHOICES = ["auto", "none", "bf16", "int8"]
 # Token budget of one step (decodes plus prompt chunks) by device, as vLLM and SGLang size it:
 # on CPU a 2048-token step takes a few seconds, the longest pause a running stream sees.
 MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
@@ -106,12 +95,19 @@ def resolve_comm(device: str = "cpu") -> str:
     return "torch"
 
 
-def auto_switch(mode: str, num_tokens: int, min_tokens: int, tp: int) -> bool:
-    """Whether a per-step optimisation runs for a step of `num_tokens`: `on`, `off`, or `auto`:
-    with several ranks, from `min_tokens` tokens per step, the measured point from which its
-    gain (hiding communication; splitting a replicated GEMM) outweighs its cost (two smaller
-    batches; an all-gather)."""
-    return mode == "on" or (mode == "auto" and tp > 1 and num_tokens >= min_tokens)
+def switch_options(mode: str, num_tokens: int, min_tokens: int | None,
+                   applies: bool) -> tuple[bool, ...]:
+    """The values a per-step optimisation may take for a step of `num_tokens`: `on`, `off`, or
+    for `auto` where it `applies` (several ranks), from `min_tokens` tokens per step where that
+    threshold is given, else both, for the engine to learn which is faster
+    (`braid.engine.step_choice`)."""
+    if mode != "auto":
+        return (mode == "on",)
+    if not applies:
+        return (False,)
+    if min_tokens is not None:
+        return (num_tokens >= min_tokens,)
+    return (False, True)
 
 
 def rope_kind(scaling: dict | None) -> str:
@@ -207,6 +203,7 @@ class EngineConfig:
     dtype: str = "auto"
     comm: str = "auto"
     comm_timeout_s: float = 60.0
+    comm_compression: str = "auto"
     skip_comm: bool = False
     device: str = "cpu"
     max_total_tokens: int = 32768
@@ -218,10 +215,10 @@ class EngineConfig:
     prefix_caching: bool = True
     seed: int = 0
     overlap: str = "auto"
-    overlap_min_tokens: int | None = None  # None: the measured default of the backend
+    overlap_min_tokens: int | None = None  # None: `auto` learns per step size
     tbo_token_distribution_threshold: float = 0.48
     dp_linear: str = "auto"
-    dp_linear_min_tokens: int | None = None  # None: the measured default of the device
+    dp_linear_min_tokens: int | None = None  # None: `auto` learns per step size
     trace: str | None = None
     cache: bool = True  # braid's cache of derived checkpoint files (--no-cache: off)
     quantization: str = "none"  # "int8": int8 weight copies for GEMMs of few rows
@@ -259,15 +256,18 @@ class EngineConfig:
                 raise UserError(f"{flag} must be one of {', '.join(SWITCH_CHOICES)}, "
                                 f"got {value!r}")
         kind = "cuda" if self.device.startswith("cuda") else "cpu"
-        if self.overlap_min_tokens is None:
-            backend = self.comm if self.comm == "shm" else "nccl" if kind == "cuda" else "gloo"
-            object.__setattr__(self, "overlap_min_tokens", OVERLAP_MIN_TOKENS[backend])
-        if self.dp_linear_min_tokens is None:
-            object.__setattr__(self, "dp_linear_min_tokens", DP_LINEAR_MIN_TOKENS[kind])
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS[kind])
-        if self.dp_linear_min_tokens < 1:
-            raise UserError("--dp-linear-min-tokens must be at least 1")
+        for flag, value in (("--overlap-min-tokens", self.overlap_min_tokens),
+                            ("--dp-linear-min-tokens", self.dp_linear_min_tokens)):
+            if value is not None and value < 1:
+                raise UserError(f"{flag} must be at least 1")
+        if self.comm_compression not in COMM_COMPRESSION_CHOICES:
+            raise UserError("--comm-compression must be one of "
+                            f"{', '.join(COMM_COMPRESSION_CHOICES)}, got {self.comm_compression!r}")
+        if self.comm_compression not in ("auto", "none") and self.comm == "shm":
+            raise UserError("--comm-compression packs partial sums for a network (--comm torch); "
+                            "over shared memory it only adds work")
         if not 0 < self.tbo_token_distribution_threshold <= 0.5:
             raise UserError("--tbo-token-distribution-threshold must be in (0, 0.5]")
         if self.max_num_batched_tokens < 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from braid.config import auto_switch
+from braid.config import switch_options
 from braid.engine.batch import StepPlan
 from braid.overlap.operations import (
     YIELD,
@@ -110,10 +110,13 @@ def test_no_split_is_ever_empty():
         assert tokens_of(parts.a) + tokens_of(parts.b) == tokens_of(plan)
 
 
-def test_auto_policy_uses_the_token_threshold():
-    assert auto_switch("on", 1, 1024, 2) and not auto_switch("off", 10**6, 1, 2)
-    assert auto_switch("auto", 1024, 1024, 2) and not auto_switch("auto", 1023, 1024, 2)
-    assert not auto_switch("auto", 10**6, 1024, 1)  # one rank: nothing to hide
+def test_switch_options_fixed_threshold_or_learned():
+    assert switch_options("on", 1, None, True) == (True,)
+    assert switch_options("off", 10**6, 1, True) == (False,)
+    assert switch_options("auto", 1024, 1024, True) == (True,)  # a threshold: a fixed rule
+    assert switch_options("auto", 1023, 1024, True) == (False,)
+    assert switch_options("auto", 10**6, None, False) == (False,)  # one rank: nothing to hide
+    assert switch_options("auto", 8, None, True) == (False, True)  # learned per step size
 
 
 # --- executor ---------------------------------------------------------------------------------

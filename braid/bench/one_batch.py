@@ -134,6 +134,14 @@ class BraidWorkload:
         result.prefill_path, result.decode_paths = paths[0], tuple(paths[1:])
         return result
 
+    def learning(self) -> bool:
+        """Whether `auto` still probes settings for a step size it has run."""
+        return "probing" in self.llm.core.chooser.choices().values()
+
+    def choices(self) -> dict[str, str]:
+        """What `auto` chose per step bucket (empty where nothing was left to choose)."""
+        return self.llm.core.chooser.choices()
+
     def close(self) -> None:
         self.llm.close()
 
@@ -231,10 +239,19 @@ def check(engine: EngineConfig, bench: OneBatch) -> ModelConfig:
     return config
 
 
+# Most extra warm-up runs while `auto` probes: a setting per run at worst (4 settings across
+# hosts, each untimed once and timed up to 3 times) for the prefill step.
+MAX_LEARNING_RUNS = 16
+
+
 def timed(workload, prompts: np.ndarray, output_len: int, warmup: int, **settings) -> BenchResult:
-    """Warm-up runs (short), then one timed run."""
-    for _ in range(warmup):
+    """Warm-up runs (short, more while `auto` still probes this batch's step sizes: a benchmark
+    measures what it chose), then one timed run."""
+    learning = getattr(workload, "learning", lambda: False)
+    runs = 0
+    while runs < warmup or (learning() and runs < warmup + MAX_LEARNING_RUNS):
         workload.run(prompts, min(output_len, 4), **settings)
+        runs += 1
     return workload.run(prompts, output_len, **settings)
 
 
@@ -257,6 +274,7 @@ def base_row(engine: EngineConfig, bench: OneBatch, **fields) -> dict:
     dtype = "gguf" if bench.backend == "llama.cpp" else engine.dtype
     row = {"backend": bench.backend, "model": engine.model, "tp": engine.tp, "dtype": dtype,
            "comm": engine.comm, "overlap": engine.overlap, "dp_linear": engine.dp_linear,
+           "comm_compression": engine.comm_compression,
            "skip_comm": engine.skip_comm, "quantization": engine.quantization,
            "kv_cache_dtype": engine.kv_cache_dtype, "compile": engine.compile,
            "batch_size": bench.batch_size, "input_len": bench.input_len,
@@ -268,7 +286,8 @@ def base_row(engine: EngineConfig, bench: OneBatch, **fields) -> dict:
 def print_header(row: dict) -> None:
     """One line naming the configuration of the run printed below it."""
     print(f"Benchmark: backend={row['backend']} tp={row['tp']} dtype={row['dtype']} "
-          f"comm={row['comm']} overlap={row['overlap']} dp_linear={row['dp_linear']} "
+          f"comm={row['comm']} comm_compression={row['comm_compression']} "
+          f"overlap={row['overlap']} dp_linear={row['dp_linear']} "
           f"compile={row['compile']}"
           f"{' skip_comm' if row['skip_comm'] else ''}"
           f"{' quantization=int8' if row['quantization'] == 'int8' else ''}"
@@ -312,9 +331,12 @@ def run_bench_one_batch(engine: EngineConfig, bench: OneBatch) -> list[dict]:
             rows = compare_dp_linear(engine, bench, workload, prompts)
         else:
             result = timed(workload, prompts, bench.output_len, bench.warmup)
-            row = base_row(engine, bench)
+            choices = getattr(workload, "choices", dict)()
+            row = base_row(engine, bench, **({"auto_choices": choices} if choices else {}))
             print_header(row)
             row.update(print_result(result, bench.batch_size, bench.input_len, bench.output_len))
+            if choices:
+                print("auto chose: " + "; ".join(f"{k} {v}" for k, v in choices.items()))
             rows = [row]
     finally:
         workload.close()

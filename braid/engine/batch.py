@@ -78,6 +78,8 @@ class StepPlan:
     overlap: bool = False  # run as two overlapped micro-batches (the driver decides)
     skip_comm: bool = False  # collectives as no-ops for this step (timing only)
     dp_linear: bool = False  # replicated projections split over tokens (DataParallelLinear)
+    comm_compression: str = "none"  # how partial sums travel (`braid.distributed.compression`)
+    choice: str = ""  # why the switches above are set so, where `auto` chose (for the trace)
 
     @property
     def num_tokens(self) -> int:

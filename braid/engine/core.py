@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from braid import native
-from braid.config import EngineConfig, ModelConfig, UserError, auto_switch
-from braid.distributed.launch import check_not_bootstrapping, launch_ranks
+from braid.config import EngineConfig, ModelConfig, UserError, switch_options
+from braid.distributed.launch import check_not_bootstrapping, launch_ranks, ranks_span_hosts
 from braid.distributed.shm import ShmSegment, activation_slot_bytes
 from braid.engine.batch import StepPlan, StepResult
 from braid.engine.compiled_step import CompileStatus, auto_compile_pays
@@ -38,6 +38,7 @@ from braid.engine.request import (
 )
 from braid.engine.scheduler import Scheduler
 from braid.engine.speculation import NgramProposer, Speculator
+from braid.engine.step_choice import Setting, StepChooser, describe, step_bucket
 from braid.engine.tokenizer import eos_token_ids, load_tokenizer
 from braid.engine.worker import worker_main
 from braid.loader.weight_cache import prepare_gguf_weights
@@ -94,7 +95,8 @@ class RankExecutor:
                 config.torch_dtype.itemsize))
         try:
             self.ranks = launch_ranks(config.tp, worker_main, (config, model_config, segment),
-                                      cleanup=segment.unlink if segment else None)
+                                      cleanup=segment.unlink if segment else None,
+                                      timeout_s=config.comm_timeout_s)
         except BaseException:
             if segment is not None:
                 segment.unlink()
@@ -127,13 +129,15 @@ class RankExecutor:
 
 @dataclass
 class StepPolicy:
-    """Per-step switches, changeable between steps (benchmarks compare them in one launch)."""
+    """Per-step switches, changeable between steps (benchmarks compare them in one launch).
+    `auto` switches without a threshold are learned per step size (`StepChooser`)."""
 
     overlap: str
-    overlap_min_tokens: int
+    overlap_min_tokens: int | None
     dp_linear: str
-    dp_linear_min_tokens: int
+    dp_linear_min_tokens: int | None
     skip_comm: bool
+    comm_compression: str = "none"
 
 
 @dataclass
@@ -153,6 +157,8 @@ class EngineStats:
     num_sequences_received: int = 0  # every sequence of every request `add` was given
     num_draft_tokens: int = 0  # tokens proposed by speculative decoding and verified
     num_accepted_tokens: int = 0  # ... and accepted
+    step_choices: dict[str, str] = field(default_factory=dict)  # `auto`'s, by step bucket
+    num_probe_steps: int = 0  # steps `auto` ran to measure a setting
     grammar: GrammarTimes = field(default_factory=GrammarTimes)
 
 
@@ -203,8 +209,12 @@ class EngineCore:
                                    model_config.max_position_embeddings,
                                    config.max_skip_age_s)
         self.policy = StepPolicy(config.overlap, config.overlap_min_tokens, config.dp_linear,
-                                 config.dp_linear_min_tokens, config.skip_comm)
+                                 config.dp_linear_min_tokens, config.skip_comm,
+                                 config.comm_compression)
         self._has_dp_linear = model_class(model_config).has_dp_linear
+        # Compressed sums pay only where a network is slower than the compute: across hosts.
+        self._compression_learned = config.tp > 1 and ranks_span_hosts()
+        self.chooser = StepChooser()
         self.grammars = Grammars(lambda: load_tokenizer(config.model, config.cache),
                                  model_config.vocab_size,
                                  lambda tokenizer: eos_token_ids(model_config, tokenizer))
@@ -330,13 +340,32 @@ class EngineCore:
                 failed.append(self.scheduler.fail(seq, request_failure("planning its step", e)))
         return kept, failed
 
+    def _settings(self, plan: StepPlan) -> list[Setting]:
+        """Every setting of the per-step switches that `plan` may run with."""
+        policy, several = self.policy, self.config.tp > 1
+        overlap = switch_options(policy.overlap, plan.num_tokens, policy.overlap_min_tokens,
+                                 several and plan.num_tokens > 1)
+        # A model without DP linear leaves it out (`auto`'s choices then do not name it).
+        dp_linear = switch_options(policy.dp_linear, plan.num_tokens,
+                                   policy.dp_linear_min_tokens, several
+                                   ) if self._has_dp_linear else None
+        compression = ((("none", "int8") if self._compression_learned else ("none",))
+                       if policy.comm_compression == "auto" else (policy.comm_compression,))
+        return [(("overlap", o), *((("dp_linear", d),) if dp_linear else ()),
+                 ("compression", c))
+                for o in overlap for d in dp_linear or (False,) for c in compression]
+
     def _run(self, plan: StepPlan, batch: list[Sequence] = (),
              layout: list[SequenceRows] = ()) -> StepResult:
-        policy, tp = self.policy, self.config.tp
-        plan.overlap = auto_switch(policy.overlap, plan.num_tokens, policy.overlap_min_tokens, tp)
-        plan.dp_linear = self._has_dp_linear and auto_switch(
-            policy.dp_linear, plan.num_tokens, policy.dp_linear_min_tokens, tp)
-        plan.skip_comm = policy.skip_comm
+        settings = self._settings(plan)
+        bucket = step_bucket(plan.num_tokens, bool((plan.q_lens == 1).all()))
+        setting, probe = self.chooser.choose(bucket, settings)
+        chosen = dict(setting)
+        plan.overlap, plan.dp_linear = chosen["overlap"], chosen.get("dp_linear", False)
+        plan.comm_compression = chosen["compression"]
+        if len(settings) > 1:
+            plan.choice = f"{bucket} {'probe' if probe else 'chosen'}: {describe(setting)}"
+        plan.skip_comm = self.policy.skip_comm
         constrained = [(rows.sample_row, seq.grammar) for seq, rows in zip(batch, layout)
                        if seq.grammar is not None and rows.sample_row is not None]
         fill_masks, mask_errors = None, {}
@@ -351,8 +380,10 @@ class EngineCore:
 
         start = time.perf_counter()
         result = self.executor.step(plan, fill_masks)
+        seconds = time.perf_counter() - start
         if self.speculator is not None and (plan.q_lens == 1).all():
-            self.speculator.observe_step(len(plan.q_lens), time.perf_counter() - start)
+            self.speculator.observe_step(len(plan.q_lens), seconds)
+        self.chooser.observe(bucket, setting, seconds, plan.num_tokens)
         if result.step_id != plan.step_id:
             raise EngineError(f"rank 0 answered step {result.step_id} when asked for step "
                               f"{plan.step_id}: a reply was left over from an interrupted step")
@@ -374,6 +405,7 @@ class EngineCore:
                            self.num_steps_overlap, self.num_steps_dp_linear,
                            dict(self.steps_by_path), self.num_sequences_received,
                            s.num_draft_tokens, s.num_accepted_tokens,
+                           self.chooser.choices(), self.chooser.probe_steps,
                            replace(self.grammars.times))
 
     def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:

@@ -178,6 +178,9 @@ class ModelRunner:
         the other ranks None. A plan with grammar rows has its bitmask from `receive_mask`,
         asked for once the logits are ready: the driver fills it while the forward runs."""
         self.comm.skip = plan.skip_comm
+        self.comm.compression = plan.comm_compression
+        if plan.choice:
+            tracer().instant(plan.choice, "auto")
         logits, path = self._forward(plan)
         if self.comm.rank != 0:
             return None
@@ -200,9 +203,10 @@ class ModelRunner:
         """Logits of the step's logit rows and the path it took (`STEP_PATHS`): the decode
         graph, or the operation list (with compiled pieces where prepared) straight or as two
         overlapped micro-batches (each computes its share of the rows, A's first). Steps with
-        collectives skipped run eager: the graphs hold the real ones."""
+        collectives skipped or compressed run eager: the graphs hold the plain ones."""
         block_size = self.engine.block_size
-        compiled = self.decode_graph is not None and not plan.skip_comm
+        compiled = (self.decode_graph is not None and not plan.skip_comm
+                    and plan.comm_compression == "none")
         parts = (split_step(plan, self.engine.tbo_token_distribution_threshold)
                  if plan.overlap else None)
         if parts is None:

@@ -1,0 +1,123 @@
+"""`auto` that learns: which setting of the per-step switches (two-batch overlap, DP linear,
+compressed partial sums) runs fastest, measured while serving, per step-size bucket.
+
+Whether overlap pays depends on how long a collective takes against the compute it can hide
+behind, which depends on the link, the backend, the model and the step's size; fixed token
+thresholds were measured on one host and are wrong on the next. So each bucket (decode or
+prefill, by its token count's power of two) probes every setting the `auto` switches allow:
+
+1. each setting once untimed (its first step pays one-time costs: kernels, compiled pieces);
+2. then up to `PROBES` timed steps each, round robin; a setting `CLEARLY_SLOWER` than the
+   best after one timed step is dropped early, so a slow link costs few slow probes;
+3. then the setting with the least median time per token, until its recent median drifts
+   `DRIFT` away from what it was when chosen (the link or the load changed) or `RECHECK_STEPS`
+   steps pass: then the bucket probes again.
+
+Steps are timed by the engine around the whole step (the ranks' forward and sampling), so what
+is compared is what a client waits for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+
+PROBES = 3
+CLEARLY_SLOWER = 1.3
+DRIFT = 0.25
+WINDOW = 8  # the chosen setting's recent steps, for drift
+RECHECK_STEPS = 2000
+
+# A setting: (switch, value) pairs in a fixed order, e.g. (("overlap", True), ("compression",
+# "int8")).
+Setting = tuple[tuple[str, object], ...]
+
+
+def describe(setting: Setting) -> str:
+    """`overlap=on compression=int8`."""
+    names = {True: "on", False: "off"}
+    return " ".join(f"{k}={names.get(v, v) if isinstance(v, bool) else v}" for k, v in setting)
+
+
+def step_bucket(num_tokens: int, decode: bool) -> str:
+    """`decode:32` for a decode step of 17-32 rows, `prefill:4096` for 2049-4096 tokens."""
+    size = 1 << max(0, math.ceil(math.log2(max(num_tokens, 1))))
+    return f"{'decode' if decode else 'prefill'}:{size}"
+
+
+@dataclass
+class _Bucket:
+    seen: set[Setting] = field(default_factory=set)  # run once (untimed) in this bucket
+    samples: dict[Setting, list[float]] = field(default_factory=dict)  # timed probes
+    chosen: Setting | None = None
+    chosen_time: float = 0.0  # its median time per token when chosen
+    recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    steps_since_choice: int = 0
+
+    def probe_next(self, candidates: list[Setting]) -> Setting | None:
+        """The setting to probe next, or None when every one is settled."""
+        for setting in candidates:
+            if setting not in self.seen:
+                return setting
+        timed = {s: median(self.samples[s]) for s in candidates if self.samples.get(s)}
+        best = min(timed.values(), default=math.inf)
+        open_ = [s for s in candidates if len(self.samples.get(s, ())) < PROBES
+                 and not timed.get(s, 0.0) > CLEARLY_SLOWER * best]
+        return min(open_, key=lambda s: len(self.samples.get(s, ())), default=None)
+
+
+class StepChooser:
+    """Chooses each step's setting among `candidates` and learns from its time (`observe`)."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[str, _Bucket] = {}
+        self.probe_steps = 0  # steps that ran a setting to measure it
+
+    def choose(self, bucket: str, candidates: list[Setting]) -> tuple[Setting, bool]:
+        """The setting for a step of `bucket`, and whether it is a probe."""
+        if len(candidates) == 1:
+            return candidates[0], False
+        state = self.buckets.setdefault(bucket, _Bucket())
+        if state.chosen in candidates:
+            return state.chosen, False
+        state.chosen = None
+        setting = state.probe_next(candidates)
+        if setting is not None:
+            self.probe_steps += 1
+            return setting, True
+        timed = {s: median(self.samples_of(state, s)) for s in candidates}
+        state.chosen = min(timed, key=timed.get)
+        state.chosen_time = timed[state.chosen]
+        state.recent.clear()
+        state.steps_since_choice = 0
+        return state.chosen, False
+
+    @staticmethod
+    def samples_of(state: _Bucket, setting: Setting) -> list[float]:
+        return state.samples.get(setting) or [math.inf]
+
+    def observe(self, bucket: str, setting: Setting, seconds: float, tokens: int) -> None:
+        """A step of `bucket` ran with `setting` in `seconds`."""
+        state = self.buckets.get(bucket)
+        if state is None:
+            return  # a single candidate: nothing to learn
+        per_token = seconds / max(tokens, 1)
+        if setting not in state.seen:
+            state.seen.add(setting)
+        elif state.chosen is None:
+            state.samples.setdefault(setting, []).append(per_token)
+        elif setting == state.chosen:
+            state.recent.append(per_token)
+            state.steps_since_choice += 1
+            drifted = (len(state.recent) == WINDOW
+                       and abs(median(state.recent) / state.chosen_time - 1) > DRIFT)
+            if drifted or state.steps_since_choice >= RECHECK_STEPS:
+                state.chosen = None  # probe again (settings stay warm: no untimed steps)
+                state.samples.clear()
+
+    def choices(self) -> dict[str, str]:
+        """Each bucket's chosen setting, or `probing`."""
+        return {bucket: describe(state.chosen) if state.chosen else "probing"
+                for bucket, state in sorted(self.buckets.items())}
