@@ -123,13 +123,15 @@ def _existing_namespaces() -> set[str]:
     return {line.split()[0] for line in listed.splitlines() if line.strip()}
 
 
-def _kill_namespace_processes(name: str, grace: float = 2.0) -> None:
-    """End every process inside namespace `name`: SIGTERM, then SIGKILL after `grace` s."""
+def _kill_namespace_processes(name: str, grace: float = 2.0,
+                              first: signal.Signals = signal.SIGTERM) -> None:
+    """End every process inside namespace `name`: `first` (SIGTERM), then SIGKILL after
+    `grace` s."""
     def pids() -> list[int]:
         listed = _run("ip", "netns", "pids", name, check=False).stdout
         return [int(p) for p in listed.split() if p.isdigit() and int(p) != os.getpid()]
 
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 1.0)):
+    for sig, wait in ((first, grace), (signal.SIGKILL, 1.0)):
         running = pids()
         if not running:
             return
@@ -282,6 +284,11 @@ class TwoHosts:
         """Take both ends down: nothing passes (new connections fail, sent data waits)."""
         for host in (0, 1):
             _run("ip", "-n", NAMESPACES[host], "link", "set", INTERFACES[host], "down")
+
+    def kill_host(self, host: int) -> None:
+        """SIGKILL every process in host `host` (torchrun's workers run in sessions of their
+        own: killing an agent's process group leaves them running)."""
+        _kill_namespace_processes(NAMESPACES[host], grace=0.0, first=signal.SIGKILL)
 
     def link_up(self) -> None:
         for host in (0, 1):

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -329,9 +330,17 @@ class RankGroup:
 
 # --- Ranks started by torchrun ---------------------------------------------------------------
 # torchrun starts every rank itself (possibly on several hosts) and tears the job down when any
-# of them fails. Rank 0 is the driver: its own rank runs in a thread beside it, and step plans
-# reach the other ranks by broadcast over a separate gloo group (so they never interleave with
-# the model's collectives on the default group).
+# of them fails on its host; across hosts nothing tells one host's ranks that the other's are
+# gone. Rank 0 is the driver: its own rank runs in a thread beside it, and step plans reach the
+# other ranks by broadcast over a separate gloo group (so they never interleave with the model's
+# collectives on the default group). A third group carries a heartbeat: rank 0 starts a tiny
+# all-reduce every HEARTBEAT_S seconds and every rank waits for the next one for at most the
+# launch's timeout, so a host killed or cut off ends the launch on both sides within it.
+
+HEARTBEAT_S = 1.0
+# The plans' group waits as long as a server may idle between steps (the heartbeat, not this,
+# notices a lost host). A year: gloo adds it to a nanosecond clock.
+_IDLE_TIMEOUT = timedelta(days=365)
 
 
 def torchrun_rank() -> tuple[int, int] | None:
@@ -341,8 +350,16 @@ def torchrun_rank() -> tuple[int, int] | None:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def _init_torchrun_process() -> object:
-    """Pin this rank's cores, join the default group (env://), return the control group."""
+def ranks_span_hosts() -> bool:
+    """Whether this launch's ranks run on more than one host (torchrun with several nodes)."""
+    launched = torchrun_rank()
+    return (launched is not None
+            and int(os.environ.get("LOCAL_WORLD_SIZE", launched[1])) < launched[1])
+
+
+def _init_torchrun_process() -> tuple[object, object]:
+    """Pin this rank's cores, join the default group (env://); the plans' and the heartbeat's
+    groups."""
     import torch
     import torch.distributed as dist
 
@@ -354,7 +371,38 @@ def _init_torchrun_process() -> object:
     torch.set_num_threads(len(cores))
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="env://")
-    return dist.new_group(backend="gloo")
+    return (dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT),
+            dist.new_group(backend="gloo"))
+
+
+def _start_heartbeat(group: object, timeout_s: float, on_loss: Callable[[str], None]) -> None:
+    """Beat with the other ranks in a daemon thread (rank 0 paces it); call `on_loss` with the
+    reason once a beat fails: a peer's connection reset, or no beat within `timeout_s`."""
+    import torch
+    import torch.distributed as dist
+
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
+    leader = dist.get_rank() == 0
+
+    def beat() -> None:
+        token = torch.zeros(1)
+        while True:
+            try:
+                dist.all_reduce(token, group=group)
+            except Exception as e:  # noqa: BLE001 - a lost peer, however gloo reports it
+                on_loss(str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
+                return
+            if leader:
+                time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, name="braid-heartbeat", daemon=True).start()
+
+
+def _lost_ranks(timeout_s: float, reason: str) -> str:
+    rank, world_size = torchrun_rank()
+    others = ", ".join(str(r) for r in range(world_size) if r != rank)
+    return (f"lost contact with rank {others}: its host died, its ranks were killed, or the link "
+            f"is down (a heartbeat failed; it waits --comm-timeout {timeout_s:g} s): {reason}")
 
 
 class _BroadcastConn:
@@ -377,25 +425,42 @@ class _BroadcastConn:
 
 def run_torchrun_worker(target: Callable) -> None:
     """Body of a non-zero torchrun rank: take the target's arguments from rank 0, then serve
-    rank 0's broadcasts until told to stop."""
+    rank 0's broadcasts until told to stop; exit 1 with a message if rank 0 is lost."""
     rank, world_size = torchrun_rank()
-    conn = _BroadcastConn(_init_torchrun_process())
-    target(rank, world_size, conn, *conn.recv())
+    control, heartbeat = _init_torchrun_process()
+    conn = _BroadcastConn(control)
+    args, timeout_s = conn.recv()
+
+    def lost(reason: str) -> None:
+        print(f"error: rank {rank}: {_lost_ranks(timeout_s, reason)}", file=sys.stderr,
+              flush=True)
+        os._exit(1)
+
+    _start_heartbeat(heartbeat, timeout_s, lost)
+    target(rank, world_size, conn, *args)
 
 
 class TorchrunGroup:
-    """`RankGroup`'s interface on rank 0 of a torchrun launch (see the note above)."""
+    """`RankGroup`'s interface on rank 0 of a torchrun launch (see the note above).
+    `timeout_s`: how long a lost host goes unnoticed at most."""
 
     def __init__(self, world_size: int, target: Callable, args: tuple = (),
-                 cleanup: Callable[[], str | None] | None = None) -> None:
+                 cleanup: Callable[[], str | None] | None = None,
+                 timeout_s: float = 60.0) -> None:
         rank, launched = torchrun_rank()
         if rank != 0:
             raise RuntimeError("only torchrun's rank 0 drives; others run run_torchrun_worker")
         if world_size != launched:
             raise UserError(f"--tp {world_size} but torchrun started {launched} processes")
         self._cleanup = cleanup
-        self._control = _init_torchrun_process()
-        self._broadcast(args)  # the other ranks build the same engine from these
+        self._control, heartbeat = _init_torchrun_process()
+        self._broadcast((args, timeout_s))  # the other ranks build the same engine from these
+        self._lost: str | None = None
+
+        def lost(reason: str) -> None:
+            self._lost = _lost_ranks(timeout_s, reason)
+
+        _start_heartbeat(heartbeat, timeout_s, lost)
         self._conn, child = mp.Pipe()
         self._closed = False
 
@@ -414,6 +479,7 @@ class TorchrunGroup:
         dist.broadcast_object_list([message], src=0, group=self._control)
 
     def send_all(self, message: object) -> None:
+        self.check_alive()
         self._broadcast(message)
         self._conn.send(message)
 
@@ -423,14 +489,19 @@ class TorchrunGroup:
 
     def recv(self, rank: int = 0, timeout: float | None = None) -> object:
         while not self._conn.poll(POLL_S):
-            if not self._thread.is_alive():
-                raise RankFailure("rank 0 stopped unexpectedly")
+            self.check_alive()
         kind, value = self._conn.recv()
         if kind == "error":
+            if self._lost is None and any(m in value for m in _PEER_FAILURE_MARKERS):
+                time.sleep(2 * POLL_S)  # the heartbeat names the lost ranks
+            self.check_alive()
             raise RankFailure(f"rank 0 failed:\n{value}")
         return value
 
     def check_alive(self) -> None:
+        if self._lost is not None:
+            self._closed = True  # nothing to stop over a lost link: the process ends
+            raise RankFailure(self._lost)
         if not self._thread.is_alive():
             raise RankFailure("rank 0 stopped unexpectedly")
 
@@ -447,8 +518,9 @@ class TorchrunGroup:
             self._closed = True
             self.send_all(("stop", None))
             self._thread.join()
-            if self._cleanup is not None:
-                self._cleanup()
+        if self._cleanup is not None:
+            self._cleanup()
+            self._cleanup = None
 
 
 def check_not_bootstrapping() -> None:
@@ -463,8 +535,11 @@ def check_not_bootstrapping() -> None:
 
 
 def launch_ranks(world_size: int, target: Callable, args: tuple = (),
-                 cleanup: Callable[[], str | None] | None = None) -> RankGroup | TorchrunGroup:
-    """Adopt torchrun's ranks when it started this process, else spawn ranks on this host."""
+                 cleanup: Callable[[], str | None] | None = None,
+                 timeout_s: float = 60.0) -> RankGroup | TorchrunGroup:
+    """Adopt torchrun's ranks when it started this process (a lost host is noticed within
+    `timeout_s`), else spawn ranks on this host."""
     check_not_bootstrapping()
-    group = TorchrunGroup if torchrun_rank() is not None else RankGroup
-    return group(world_size, target, args, cleanup)
+    if torchrun_rank() is not None:
+        return TorchrunGroup(world_size, target, args, cleanup, timeout_s)
+    return RankGroup(world_size, target, args, cleanup)
