@@ -52,7 +52,16 @@ class Metrics:
             "num_accepted_tokens": Counter("braid:spec_decode_num_accepted_tokens",
                                            "Proposed tokens the verifying steps accepted",
                                            registry=r),
+            "num_probe_steps": Counter("braid:auto_probe_steps",
+                                       "Steps run by learning `auto` to time a setting of "
+                                       "overlap, DP linear or compression", registry=r),
         }
+        self.auto_choice = Gauge("braid:auto_choice",
+                                 "Learning `auto`'s setting per step bucket (decode or prefill "
+                                 "by token count, a power of two): 1 for the setting chosen, "
+                                 "or for `probing` while it measures", ["bucket", "setting"],
+                                 registry=r)
+        self._auto_choices: dict[str, str] = {}
         # Constrained decoding: the driver fills masks while the forward runs; what rank 0
         # still waits for them is the cost the overlap did not hide.
         self._grammar = {
@@ -112,6 +121,13 @@ class Metrics:
             self._add_since_last(counter, f"grammar:{name}", getattr(stats.grammar, name))
         for path, value in stats.steps_by_path.items():
             self._add_since_last(self.steps_by_path.labels(path=path), f"path:{path}", value)
+        for bucket, setting in stats.step_choices.items():
+            previous = self._auto_choices.get(bucket)
+            if previous != setting:
+                if previous is not None:
+                    self.auto_choice.remove(bucket, previous)
+                self.auto_choice.labels(bucket=bucket, setting=setting).set(1)
+                self._auto_choices[bucket] = setting
 
     def _add_since_last(self, counter, key: str, total: float) -> None:
         counter.inc(total - self._last.get(key, 0))
