@@ -23,9 +23,10 @@ def run_steps(chooser: StepChooser, bucket: str, candidates, seconds_of, steps: 
 
 
 def test_buckets_by_kind_and_power_of_two():
-    assert step_bucket(1, True) == "decode:1"
-    assert step_bucket(17, True) == step_bucket(32, True) == "decode:32"
+    assert step_bucket(1, True) == "decode:1" and step_bucket(4, True) == "decode:4"
+    assert step_bucket(17, True) == step_bucket(64, True) == "decode:64"
     assert step_bucket(4096, False) == "prefill:4096" != step_bucket(4097, False)
+    assert step_bucket(1025, False) == "prefill:4096"
     assert describe(INT8) == "overlap=on compression=int8"
 
 
@@ -37,9 +38,11 @@ def test_probes_each_setting_then_keeps_the_fastest():
     assert set(ran[:3]) == {OFF, ON, INT8}  # each once untimed first
     assert probes <= 3 + 3 * step_choice.PROBES and set(ran[probes:]) == {INT8}
     assert chooser.choices() == {"prefill:4096": "overlap=on compression=int8"}
-    # another bucket learns on its own
-    run_steps(chooser, "decode:8", [OFF, ON, INT8], {OFF: 0.1, ON: 0.3, INT8: 0.2}, 20)
-    assert chooser.choices()["decode:8"] == "overlap=off compression=none"
+    # another bucket learns on its own, timing from its first step (the settings ran once)
+    probes = chooser.probe_steps
+    run_steps(chooser, "decode:16", [OFF, ON, INT8], {OFF: 0.1, ON: 0.3, INT8: 0.2}, 20)
+    assert chooser.choices()["decode:16"] == "overlap=off compression=none"
+    assert chooser.probe_steps - probes <= 3 * step_choice.PROBES
 
 
 def test_a_clearly_slower_setting_is_timed_once():

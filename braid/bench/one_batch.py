@@ -239,8 +239,8 @@ def check(engine: EngineConfig, bench: OneBatch) -> ModelConfig:
     return config
 
 
-# Most extra warm-up runs while `auto` probes: a setting per run at worst (4 settings across
-# hosts, each untimed once and timed up to 3 times) for the prefill step.
+# Most extra warm-up runs while `auto` probes: one prefill step per run, and across hosts 4
+# settings, each untimed once and timed up to `step_choice.PROBES` times.
 MAX_LEARNING_RUNS = 16
 
 

@@ -503,6 +503,10 @@ class TorchrunGroup:
             self._closed = True  # nothing to stop over a lost link: the process ends
             raise RankFailure(self._lost)
         if not self._thread.is_alive():
+            if self._conn.poll(0):  # it reported why just before it ended
+                kind, value = self._conn.recv()
+                if kind == "error":
+                    raise RankFailure(f"rank 0 failed:\n{value}")
             raise RankFailure("rank 0 stopped unexpectedly")
 
     def gather(self, timeout: float | None = None) -> list[object]:
@@ -516,8 +520,11 @@ class TorchrunGroup:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.send_all(("stop", None))
-            self._thread.join()
+            try:
+                self.send_all(("stop", None))
+                self._thread.join()
+            except (RankFailure, RuntimeError, OSError):
+                pass  # the other hosts stopped first (torchrun ends every host at once)
         if self._cleanup is not None:
             self._cleanup()
             self._cleanup = None

@@ -4,9 +4,11 @@ compressed partial sums) runs fastest, measured while serving, per step-size buc
 Whether overlap pays depends on how long a collective takes against the compute it can hide
 behind, which depends on the link, the backend, the model and the step's size; fixed token
 thresholds were measured on one host and are wrong on the next. So each bucket (decode or
-prefill, by its token count's power of two) probes every setting the `auto` switches allow:
+prefill, by its token count's power of four: a server's steps spread over few of them) probes
+every setting the `auto` switches allow:
 
-1. each setting once untimed (its first step pays one-time costs: kernels, compiled pieces);
+1. a setting's first step anywhere is not timed (it pays one-time costs: kernels, compiled
+   pieces);
 2. then up to `PROBES` timed steps each, round robin; a setting `CLEARLY_SLOWER` than the
    best after one timed step is dropped early, so a slow link costs few slow probes;
 3. then the setting with the least median time per token, until its recent median drifts
@@ -24,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
-PROBES = 3
+PROBES = 2
 CLEARLY_SLOWER = 1.3
 DRIFT = 0.25
 WINDOW = 8  # the chosen setting's recent steps, for drift
@@ -42,24 +44,24 @@ def describe(setting: Setting) -> str:
 
 
 def step_bucket(num_tokens: int, decode: bool) -> str:
-    """`decode:32` for a decode step of 17-32 rows, `prefill:4096` for 2049-4096 tokens."""
-    size = 1 << max(0, math.ceil(math.log2(max(num_tokens, 1))))
+    """`decode:64` for a decode step of 17-64 rows, `prefill:4096` for 1025-4096 tokens."""
+    size = 4 ** max(0, math.ceil(math.log(max(num_tokens, 1), 4) - 1e-9))
     return f"{'decode' if decode else 'prefill'}:{size}"
 
 
 @dataclass
 class _Bucket:
-    seen: set[Setting] = field(default_factory=set)  # run once (untimed) in this bucket
     samples: dict[Setting, list[float]] = field(default_factory=dict)  # timed probes
     chosen: Setting | None = None
     chosen_time: float = 0.0  # its median time per token when chosen
     recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     steps_since_choice: int = 0
 
-    def probe_next(self, candidates: list[Setting]) -> Setting | None:
-        """The setting to probe next, or None when every one is settled."""
+    def probe_next(self, candidates: list[Setting], seen: set[Setting]) -> Setting | None:
+        """The setting to probe next (one not yet `seen` first), or None when every one is
+        settled."""
         for setting in candidates:
-            if setting not in self.seen:
+            if setting not in seen:
                 return setting
         timed = {s: median(self.samples[s]) for s in candidates if self.samples.get(s)}
         best = min(timed.values(), default=math.inf)
@@ -73,6 +75,7 @@ class StepChooser:
 
     def __init__(self) -> None:
         self.buckets: dict[str, _Bucket] = {}
+        self.seen: set[Setting] = set()  # settings run once (untimed)
         self.probe_steps = 0  # steps that ran a setting to measure it
 
     def choose(self, bucket: str, candidates: list[Setting]) -> tuple[Setting, bool]:
@@ -83,7 +86,7 @@ class StepChooser:
         if state.chosen in candidates:
             return state.chosen, False
         state.chosen = None
-        setting = state.probe_next(candidates)
+        setting = state.probe_next(candidates, self.seen)
         if setting is not None:
             self.probe_steps += 1
             return setting, True
@@ -104,8 +107,8 @@ class StepChooser:
         if state is None:
             return  # a single candidate: nothing to learn
         per_token = seconds / max(tokens, 1)
-        if setting not in state.seen:
-            state.seen.add(setting)
+        if setting not in self.seen:
+            self.seen.add(setting)
         elif state.chosen is None:
             state.samples.setdefault(setting, []).append(per_token)
         elif setting == state.chosen:
