@@ -69,3 +69,15 @@ def test_a_single_candidate_is_not_learned():
     assert chooser.choose("decode:1", [OFF]) == (OFF, False)
     chooser.observe("decode:1", OFF, 1.0, 1)
     assert chooser.choices() == {} and chooser.probe_steps == 0
+
+
+def test_a_new_bucket_skips_what_its_neighbour_found_clearly_slower():
+    chooser = StepChooser()
+    times = {OFF: 3.0, ON: 2.5, INT8: 1.0}
+    run_steps(chooser, "prefill:1024", [OFF, ON, INT8], times, 12)
+    assert chooser.choices()["prefill:1024"] == "overlap=on compression=int8"
+    ran = run_steps(chooser, "prefill:4096", [OFF, ON, INT8], times, 6)
+    assert set(ran) == {INT8}  # the others lost clearly next door: not probed here
+    # decode steps are another kind: they learn from scratch
+    ran = run_steps(chooser, "decode:16", [OFF, ON, INT8], times, 8)
+    assert OFF in ran and ON in ran

@@ -10,7 +10,9 @@ every setting the `auto` switches allow:
 1. a setting's first step anywhere is not timed (it pays one-time costs: kernels, compiled
    pieces);
 2. then up to `PROBES` timed steps each, round robin; a setting `CLEARLY_SLOWER` than the
-   best after one timed step is dropped early, so a slow link costs few slow probes;
+   best after one timed step is dropped early, so a slow link costs few slow probes, and a
+   bucket does not probe the settings its nearest decided neighbour of the same kind found
+   clearly slower (a server's prefill steps spread over several buckets, each seen rarely);
 3. then the setting with the least median time per token, until its recent median drifts
    `DRIFT` away from what it was when chosen (the link or the load changed) or `RECHECK_STEPS`
    steps pass: then the bucket probes again.
@@ -54,6 +56,7 @@ class _Bucket:
     samples: dict[Setting, list[float]] = field(default_factory=dict)  # timed probes
     chosen: Setting | None = None
     chosen_time: float = 0.0  # its median time per token when chosen
+    medians: dict[Setting, float] = field(default_factory=dict)  # every setting's, then
     recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     steps_since_choice: int = 0
 
@@ -86,16 +89,31 @@ class StepChooser:
         if state.chosen in candidates:
             return state.chosen, False
         state.chosen = None
+        candidates = self._worth_probing(bucket, candidates)
         setting = state.probe_next(candidates, self.seen)
         if setting is not None:
             self.probe_steps += 1
             return setting, True
         timed = {s: median(self.samples_of(state, s)) for s in candidates}
         state.chosen = min(timed, key=timed.get)
-        state.chosen_time = timed[state.chosen]
+        state.chosen_time, state.medians = timed[state.chosen], timed
         state.recent.clear()
         state.steps_since_choice = 0
         return state.chosen, False
+
+    def _worth_probing(self, bucket: str, candidates: list[Setting]) -> list[Setting]:
+        """`candidates` less those the nearest decided bucket of the same kind found clearly
+        slower than its best (all of them where none has decided)."""
+        kind, size = bucket.split(":")
+        decided = [(abs(math.log(int(other.split(":")[1]) / int(size))), other)
+                   for other, state in self.buckets.items()
+                   if state.chosen is not None and other.split(":")[0] == kind]
+        if not decided:
+            return candidates
+        medians = self.buckets[min(decided)[1]].medians
+        best = min(medians.values())
+        kept = [s for s in candidates if not medians.get(s, 0.0) > CLEARLY_SLOWER * best]
+        return kept or candidates
 
     @staticmethod
     def samples_of(state: _Bucket, setting: Setting) -> list[float]:
