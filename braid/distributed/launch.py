@@ -468,7 +468,9 @@ class TorchrunGroup:
             try:
                 target(0, world_size, child, *args)
             except BaseException:  # noqa: BLE001 - reported to the driver thread
-                child.send(("error", traceback.format_exc()))
+                error = traceback.format_exc()
+                print(f"rank 0 failed:\n{error}", file=sys.stderr, flush=True)
+                child.send(("error", error))
 
         self._thread = threading.Thread(target=run_rank0, name="braid-rank-0", daemon=True)
         self._thread.start()
@@ -490,7 +492,10 @@ class TorchrunGroup:
     def recv(self, rank: int = 0, timeout: float | None = None) -> object:
         while not self._conn.poll(POLL_S):
             self.check_alive()
-        kind, value = self._conn.recv()
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            raise RankFailure("rank 0 stopped without a word (its thread ended)") from None
         if kind == "error":
             if self._lost is None and any(m in value for m in _PEER_FAILURE_MARKERS):
                 time.sleep(2 * POLL_S)  # the heartbeat names the lost ranks
