@@ -375,27 +375,49 @@ def _init_torchrun_process() -> tuple[object, object]:
             dist.new_group(backend="gloo"))
 
 
-def _start_heartbeat(group: object, timeout_s: float, on_loss: Callable[[str], None]) -> None:
-    """Beat with the other ranks in a daemon thread (rank 0 paces it); call `on_loss` with the
-    reason once a beat fails: a peer's connection reset, or no beat within `timeout_s`."""
-    import torch
-    import torch.distributed as dist
+class _Heartbeat:
+    """Beats with the other ranks in a daemon thread (rank 0 paces it) and calls `on_loss` with
+    the reason once a beat fails: a peer's connection reset, or no beat within `timeout_s`.
+    Rank 0's `stop` ends every rank's beating with a last beat that says so: a thread still
+    inside a collective when its group is destroyed at exit aborts the process."""
 
-    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
-    leader = dist.get_rank() == 0
+    def __init__(self, group: object, timeout_s: float, on_loss: Callable[[str], None]) -> None:
+        import torch.distributed as dist
 
-    def beat() -> None:
-        token = torch.zeros(1)
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
+        self._group, self._on_loss = group, on_loss
+        self._leader = dist.get_rank() == 0
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="braid-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        import torch
+        import torch.distributed as dist
+
         while True:
+            last = self._leader and self._stopping.is_set()
+            token = torch.tensor([float(last)])
             try:
-                dist.all_reduce(token, group=group)
+                dist.all_reduce(token, group=self._group)
             except Exception as e:  # noqa: BLE001 - a lost peer, however gloo reports it
-                on_loss(str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
+                if not self._stopping.is_set():
+                    text = str(e).strip()
+                    self._on_loss(text.splitlines()[0] if text else repr(e))
                 return
-            if leader:
-                time.sleep(HEARTBEAT_S)
+            if token.item() > 0:  # rank 0 stops
+                return
+            if self._leader:
+                self._stopping.wait(HEARTBEAT_S)
 
-    threading.Thread(target=beat, name="braid-heartbeat", daemon=True).start()
+    def stop(self) -> None:
+        """Rank 0: beat once more to stop every rank's heartbeat, and wait for it."""
+        self._stopping.set()
+        self._thread.join(HEARTBEAT_S + 5)
+
+    def join(self) -> None:
+        """Another rank: wait until rank 0 stops the heartbeat."""
+        self._thread.join()
 
 
 def _lost_ranks(timeout_s: float, reason: str) -> str:
@@ -411,12 +433,15 @@ class _BroadcastConn:
 
     def __init__(self, group: object) -> None:
         self.group = group
+        self.heartbeat: _Heartbeat | None = None
 
     def recv(self) -> object:
         import torch.distributed as dist
 
         box = [None]
         dist.broadcast_object_list(box, src=0, group=self.group)
+        if box[0][0] == "stop" and self.heartbeat is not None:
+            self.heartbeat.join()  # rank 0 stopped it before sending "stop"
         return box[0]
 
     def send(self, message: object) -> None:
@@ -436,7 +461,7 @@ def run_torchrun_worker(target: Callable) -> None:
               flush=True)
         os._exit(1)
 
-    _start_heartbeat(heartbeat, timeout_s, lost)
+    conn.heartbeat = _Heartbeat(heartbeat, timeout_s, lost)
     target(rank, world_size, conn, *args)
 
 
@@ -460,7 +485,7 @@ class TorchrunGroup:
         def lost(reason: str) -> None:
             self._lost = _lost_ranks(timeout_s, reason)
 
-        _start_heartbeat(heartbeat, timeout_s, lost)
+        self._heartbeat = _Heartbeat(heartbeat, timeout_s, lost)
         self._conn, child = mp.Pipe()
         self._closed = False
 
@@ -526,6 +551,7 @@ class TorchrunGroup:
         if not self._closed:
             self._closed = True
             try:
+                self._heartbeat.stop()
                 self.send_all(("stop", None))
                 self._thread.join()
             except (RankFailure, RuntimeError, OSError):
