@@ -333,9 +333,8 @@ class RankGroup:
 # of them fails on its host; across hosts nothing tells one host's ranks that the other's are
 # gone. Rank 0 is the driver: its own rank runs in a thread beside it, and step plans reach the
 # other ranks by broadcast over a separate gloo group (so they never interleave with the model's
-# collectives on the default group). A third group carries a heartbeat: rank 0 starts a tiny
-# all-reduce every HEARTBEAT_S seconds and every rank waits for the next one for at most the
-# launch's timeout, so a host killed or cut off ends the launch on both sides within it.
+# collectives on the default group). A heartbeat through torchrun's store (`_Heartbeat`) ends
+# the launch on both sides within its timeout when a host is killed or cut off.
 
 HEARTBEAT_S = 1.0
 # The plans' group waits as long as a server may idle between steps (the heartbeat, not this,
@@ -357,9 +356,8 @@ def ranks_span_hosts() -> bool:
             and int(os.environ.get("LOCAL_WORLD_SIZE", launched[1])) < launched[1])
 
 
-def _init_torchrun_process() -> tuple[object, object]:
-    """Pin this rank's cores, join the default group (env://); the plans' and the heartbeat's
-    groups."""
+def _init_torchrun_process() -> object:
+    """Pin this rank's cores, join the default group (env://); the plans' group."""
     import torch
     import torch.distributed as dist
 
@@ -371,60 +369,64 @@ def _init_torchrun_process() -> tuple[object, object]:
     torch.set_num_threads(len(cores))
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="env://")
-    return (dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT),
-            dist.new_group(backend="gloo"))
+    return dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
 
 
 class _Heartbeat:
-    """Beats with the other ranks in a daemon thread (rank 0 paces it) and calls `on_loss` with
-    the reason once a beat fails: a peer's connection reset, or no beat within `timeout_s`.
-    Rank 0's `stop` ends every rank's beating with a last beat that says so: a thread still
-    inside a collective when its group is destroyed at exit aborts the process."""
+    """Every HEARTBEAT_S seconds this rank bumps its counter in torchrun's store and reads the
+    other ranks' counters, in a daemon thread over a store connection of its own; `on_loss`
+    gets the reason once another rank's counter has not moved for `timeout_s`, or the store
+    (on host 0) cannot be reached. Not a collective: gloo collectives from a second thread
+    crashed the first thread's (heap corruption within minutes, with or without compression).
+    """
 
-    def __init__(self, group: object, timeout_s: float, on_loss: Callable[[str], None]) -> None:
-        import torch.distributed as dist
-
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
-        self._group, self._on_loss = group, on_loss
-        self._leader = dist.get_rank() == 0
+    def __init__(self, timeout_s: float, on_loss: Callable[[str], None]) -> None:
+        self._timeout_s, self._on_loss = timeout_s, on_loss
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="braid-heartbeat", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
-        import torch
         import torch.distributed as dist
 
-        while True:
-            last = self._leader and self._stopping.is_set()
-            token = torch.tensor([float(last)])
-            try:
-                dist.all_reduce(token, group=self._group)
-            except Exception as e:  # noqa: BLE001 - a lost peer, however gloo reports it
-                if not self._stopping.is_set():
-                    text = str(e).strip()
-                    self._on_loss(text.splitlines()[0] if text else repr(e))
-                return
-            if token.item() > 0:  # rank 0 stops
-                return
-            if self._leader:
+        rank, world_size = torchrun_rank()
+        prefix = f"braid-heartbeat/{os.environ['TORCHELASTIC_RUN_ID']}"
+        others = [r for r in range(world_size) if r != rank]
+        keys = [f"{prefix}/{r}" for r in others]
+        last = {r: (None, time.monotonic()) for r in others}  # counter, when it last moved
+        beats = 0
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False,
+                                  timeout=timedelta(seconds=self._timeout_s))
+            while not self._stopping.is_set():
+                store.set(f"{prefix}/{rank}", str(beats))
+                beats += 1
+                seen = store.multi_get(keys) if store.check(keys) else [None] * len(keys)
+                now = time.monotonic()
+                for r, value in zip(others, seen):
+                    if value != last[r][0]:
+                        last[r] = (value, now)
+                    elif now - last[r][1] > self._timeout_s:
+                        self._on_loss(f"rank {r} has not beaten for {self._timeout_s:g} s")
+                        return
                 self._stopping.wait(HEARTBEAT_S)
+        except Exception as e:  # noqa: BLE001 - the store's host is gone or cut off
+            if not self._stopping.is_set():
+                text = str(e).strip()
+                self._on_loss(f"torchrun's store on rank 0's host stopped answering: "
+                              f"{text.splitlines()[0] if text else repr(e)}")
 
     def stop(self) -> None:
-        """Rank 0: beat once more to stop every rank's heartbeat, and wait for it."""
         self._stopping.set()
         self._thread.join(HEARTBEAT_S + 5)
-
-    def join(self) -> None:
-        """Another rank: wait until rank 0 stops the heartbeat."""
-        self._thread.join()
 
 
 def _lost_ranks(timeout_s: float, reason: str) -> str:
     rank, world_size = torchrun_rank()
     others = ", ".join(str(r) for r in range(world_size) if r != rank)
     return (f"lost contact with rank {others}: its host died, its ranks were killed, or the link "
-            f"is down (a heartbeat failed; it waits --comm-timeout {timeout_s:g} s): {reason}")
+            f"is down (the heartbeat waits --comm-timeout, {timeout_s:g} s): {reason}")
 
 
 class _BroadcastConn:
@@ -433,15 +435,12 @@ class _BroadcastConn:
 
     def __init__(self, group: object) -> None:
         self.group = group
-        self.heartbeat: _Heartbeat | None = None
 
     def recv(self) -> object:
         import torch.distributed as dist
 
         box = [None]
         dist.broadcast_object_list(box, src=0, group=self.group)
-        if box[0][0] == "stop" and self.heartbeat is not None:
-            self.heartbeat.join()  # rank 0 stopped it before sending "stop"
         return box[0]
 
     def send(self, message: object) -> None:
@@ -452,8 +451,7 @@ def run_torchrun_worker(target: Callable) -> None:
     """Body of a non-zero torchrun rank: take the target's arguments from rank 0, then serve
     rank 0's broadcasts until told to stop; exit 1 with a message if rank 0 is lost."""
     rank, world_size = torchrun_rank()
-    control, heartbeat = _init_torchrun_process()
-    conn = _BroadcastConn(control)
+    conn = _BroadcastConn(_init_torchrun_process())
     args, timeout_s = conn.recv()
 
     def lost(reason: str) -> None:
@@ -461,8 +459,11 @@ def run_torchrun_worker(target: Callable) -> None:
               flush=True)
         os._exit(1)
 
-    conn.heartbeat = _Heartbeat(heartbeat, timeout_s, lost)
-    target(rank, world_size, conn, *args)
+    heartbeat = _Heartbeat(timeout_s, lost)
+    try:
+        target(rank, world_size, conn, *args)
+    finally:
+        heartbeat.stop()
 
 
 class TorchrunGroup:
@@ -478,14 +479,15 @@ class TorchrunGroup:
         if world_size != launched:
             raise UserError(f"--tp {world_size} but torchrun started {launched} processes")
         self._cleanup = cleanup
-        self._control, heartbeat = _init_torchrun_process()
+        self._control = _init_torchrun_process()
         self._broadcast((args, timeout_s))  # the other ranks build the same engine from these
         self._lost: str | None = None
 
         def lost(reason: str) -> None:
             self._lost = _lost_ranks(timeout_s, reason)
 
-        self._heartbeat = _Heartbeat(heartbeat, timeout_s, lost)
+        self._timeout_s = timeout_s
+        self._heartbeat = _Heartbeat(timeout_s, lost)
         self._conn, child = mp.Pipe()
         self._closed = False
 
@@ -522,9 +524,9 @@ class TorchrunGroup:
         except EOFError:
             raise RankFailure("rank 0 stopped without a word (its thread ended)") from None
         if kind == "error":
-            if self._lost is None and any(m in value for m in _PEER_FAILURE_MARKERS):
-                time.sleep(2 * POLL_S)  # the heartbeat names the lost ranks
             self.check_alive()
+            if any(m in value for m in _PEER_FAILURE_MARKERS):  # a peer vanished mid-step
+                raise RankFailure(_lost_ranks(self._timeout_s, value.strip().splitlines()[-1]))
             raise RankFailure(f"rank 0 failed:\n{value}")
         return value
 
