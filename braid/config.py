@@ -265,6 +265,10 @@ class EngineConfig:
         if self.comm_compression not in COMM_COMPRESSION_CHOICES:
             raise UserError("--comm-compression must be one of "
                             f"{', '.join(COMM_COMPRESSION_CHOICES)}, got {self.comm_compression!r}")
+        if self.comm_compression not in ("auto", "none") and self.overlap == "on":
+            raise UserError("--overlap on with --comm-compression: served two-host runs with "
+                            "both corrupted a rank's memory (not yet found; docs/benchmarks.md, "
+                            "'Across hosts'); use one or the other")
         if self.comm_compression not in ("auto", "none") and self.comm == "shm":
             raise UserError("--comm-compression packs partial sums for a network (--comm torch); "
                             "over shared memory it only adds work")

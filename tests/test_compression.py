@@ -87,3 +87,10 @@ def test_ranks_get_identical_compressed_sums_over_gloo(kind):
         assert ((sums0[1] - exact).abs() <= compression.max_error(fp32)).all()
     else:
         torch.testing.assert_close(sums0[1], sum(x.bfloat16().float() for x in fp32) + 1)
+
+
+def test_overlap_with_compressed_sums_is_refused():
+    from braid.config import EngineConfig, UserError
+
+    with pytest.raises(UserError, match="--overlap on with --comm-compression"):
+        EngineConfig(model="m", tp=2, comm="torch", overlap="on", comm_compression="int8")
