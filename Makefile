@@ -24,7 +24,7 @@ serve: $(STAMP)
 	$(BIN)/braid serve --tp 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ""
