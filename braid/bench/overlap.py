@@ -86,13 +86,12 @@ def _crossover(points: list[dict]) -> int:
 def run_overlap_sweep(engine: EngineConfig, bench: OneBatch, config: ModelConfig) -> list[dict]:
     """Overlap off/on/auto over batch sizes for prefill and decode, on one launch.
 
-    At each point the three modes run back to back (auto with the configured
-    `--overlap-min-tokens`), so the comparison is not skewed by the host drifting between
-    passes; the crossover found over all points is printed as the threshold to set.
-    """
+    At each point the three modes run back to back (auto learned, or the `--overlap-min-tokens`
+    rule where given), so the comparison is not skewed by the host drifting between passes; the
+    crossover found over all points is printed as the threshold to set."""
     sizes = [int(b) for b in bench.sweep_batch_sizes.split(",")]
     workload = BraidWorkload(engine, max(sizes), bench.input_len, bench.output_len)
-    min_tokens = workload.llm.config.overlap_min_tokens  # the backend's default if not given
+    min_tokens = workload.llm.config.overlap_min_tokens  # None: auto learns
     points = []
     try:
         for bs in sizes:
