@@ -524,21 +524,27 @@ class TorchrunGroup:
         except EOFError:
             raise RankFailure("rank 0 stopped without a word (its thread ended)") from None
         if kind == "error":
-            self.check_alive()
-            if any(m in value for m in _PEER_FAILURE_MARKERS):  # a peer vanished mid-step
-                raise RankFailure(_lost_ranks(self._timeout_s, value.strip().splitlines()[-1]))
-            raise RankFailure(f"rank 0 failed:\n{value}")
+            raise self._rank0_failure(value)
         return value
+
+    def _rank0_failure(self, error: str) -> RankFailure:
+        """What rank 0's thread reported, as the driver raises it: the heartbeat's lost host
+        where it noticed one, a peer that vanished mid-step by name, else the error itself."""
+        if self._lost is not None:
+            self._closed = True  # nothing to stop over a lost link: the process ends
+            return RankFailure(self._lost)
+        if any(m in error for m in _PEER_FAILURE_MARKERS):
+            return RankFailure(_lost_ranks(self._timeout_s, error.strip().splitlines()[-1]))
+        return RankFailure(f"rank 0 failed:\n{error}")
 
     def check_alive(self) -> None:
         if self._lost is not None:
-            self._closed = True  # nothing to stop over a lost link: the process ends
-            raise RankFailure(self._lost)
+            raise self._rank0_failure("")
         if not self._thread.is_alive():
             if self._conn.poll(0):  # it reported why just before it ended
                 kind, value = self._conn.recv()
                 if kind == "error":
-                    raise RankFailure(f"rank 0 failed:\n{value}")
+                    raise self._rank0_failure(value)
             raise RankFailure("rank 0 stopped unexpectedly")
 
     def gather(self, timeout: float | None = None) -> list[object]:
