@@ -42,7 +42,7 @@ def cache_root() -> Path:
 # keeps its version number) must not read entries its previous code wrote.
 _DERIVING_MODULES = ("cache.py", "config.py", "loader/gguf.py", "loader/gguf_families.py",
                      "loader/model_config.py", "loader/weights.py", "loader/weight_cache.py",
-                     "engine/tokenizer.py")
+                     "loader/tokenizer.py")
 
 
 def braid_version() -> str:

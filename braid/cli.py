@@ -21,9 +21,9 @@ from braid.config import (
     SPECULATIVE_CHOICES,
     SWITCH_CHOICES,
     EngineConfig,
-    UserError,
     default_model_path,
 )
+from braid.errors import UserError
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -147,8 +147,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from braid.engine.llm import LLM
     from braid.engine.request import SamplingParams
+    from braid.frontend.llm import LLM
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -576,15 +576,16 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM exits through Python's shutdown, so ranks are stopped and shm segments removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     warnings.formatwarning = lambda msg, cat, *a, **k: f"warning: {msg}\n"
-    from braid.distributed.launch import RankFailure, run_torchrun_worker, torchrun_rank
+    from braid.distributed.ranks import RankFailure
+    from braid.distributed.ranks.torchrun import run_torchrun_worker, torchrun_rank
 
     try:
         launched = torchrun_rank()
         if launched is not None and launched[0] != 0:
             # Under torchrun only rank 0 runs the command; the others serve its steps.
-            from braid.engine.worker import worker_main
+            from braid.engine.executor import WORKER_MAIN
 
-            run_torchrun_worker(worker_main)
+            run_torchrun_worker(WORKER_MAIN)
             return 0
         return args.func(args) or 0
     except UserError as e:

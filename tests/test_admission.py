@@ -11,8 +11,8 @@ from engine_utils import fake_core
 
 import braid.engine.plan as plan_module
 import braid.engine.scheduler as scheduler_module
-from braid.config import UserError
 from braid.engine.request import Request, SamplingParams
+from braid.errors import UserError
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
 RNG = np.random.default_rng(1)

@@ -19,9 +19,9 @@ from server_utils import free_port
 
 from braid.bench.datasets import sample_requests
 from braid.bench.serving import ServingConfig, run_bench_serving
-from braid.config import UserError
-from braid.engine.tokenizer import apply_chat_template
+from braid.errors import UserError
 from braid.eval.mmlu import format_example, load_questions, subject_header
+from braid.loader.tokenizer import apply_chat_template
 
 MMLU = Path(__file__).resolve().parents[2] / "shared" / "data" / "mmlu"
 needs_mmlu = pytest.mark.skipif(not MMLU.is_dir(), reason=f"MMLU data not at {MMLU}")

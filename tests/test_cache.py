@@ -13,9 +13,9 @@ import torch
 from conftest import PROMPTS
 
 from braid.cache import CacheWarning, cache_root, cached, entry_dir, find_entry
-from braid.engine.tokenizer import apply_chat_template, load_tokenizer
 from braid.loader.gguf import iterate_gguf
 from braid.loader.model_config import load_model_config
+from braid.loader.tokenizer import apply_chat_template, load_tokenizer
 from braid.loader.weight_cache import WEIGHTS_FILE, cached_gguf_weights, prepare_gguf_weights
 
 

@@ -168,7 +168,8 @@ def test_bench_one_batch_prints_sglang_lines_and_a_jsonl_row(backend_args, tmp_p
 
 def test_bench_one_batch_says_how_to_get_llama_cpp(monkeypatch):
     from braid.bench import llama_cpp
-    from braid.config import EngineConfig, UserError
+    from braid.config import EngineConfig
+    from braid.errors import UserError
 
     monkeypatch.setattr(llama_cpp.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match="needs llama-cpp-python: run `make bench-deps`"):

@@ -8,10 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from braid.config import cpu_flags
 from braid.distributed.comm import SkipCommunicator
-from braid.engine import compiled_step
-from braid.engine.compiled_step import (
+from braid.layers.forward_batch import ForwardBatch
+from braid.layers.quant import Quantizable
+from braid.loader.model_config import load_model_config
+from braid.models.registry import model_class
+from braid.overlap.operations import YIELD
+from braid.platform import cpu_flags
+from braid.worker import compiled_step
+from braid.worker.compiled_step import (
     WARM_UP_ROWS,
     CompiledDecodeStep,
     CompiledPieces,
@@ -19,11 +24,6 @@ from braid.engine.compiled_step import (
     compile_applies,
     warm_up_plans,
 )
-from braid.layers.forward_batch import ForwardBatch
-from braid.layers.quant import Quantizable
-from braid.loader.model_config import load_model_config
-from braid.models.registry import model_class
-from braid.overlap.operations import YIELD
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import rank_targets
 import torch
 
 from braid.distributed import compression
-from braid.distributed.launch import RankGroup
+from braid.distributed.ranks.local import LocalRankGroup
 
 
 def partial_sums(ranks: int, dtype: torch.dtype, shape=(300, 576)) -> list[torch.Tensor]:
@@ -71,7 +71,7 @@ def test_bf16_compression_rounds_fp32_sums():
 
 @pytest.mark.parametrize("kind", ["int8", "bf16"])
 def test_ranks_get_identical_compressed_sums_over_gloo(kind):
-    group = RankGroup(2, rank_targets.compressed_sums, (kind,))
+    group = LocalRankGroup(2, rank_targets.compressed_sums, (kind,))
     try:
         (sums0, partials), (sums1, _) = group.gather(timeout=120)
     finally:
@@ -90,7 +90,8 @@ def test_ranks_get_identical_compressed_sums_over_gloo(kind):
 
 
 def test_overlap_with_compressed_sums_is_refused():
-    from braid.config import EngineConfig, UserError
+    from braid.config import EngineConfig
+    from braid.errors import UserError
 
     with pytest.raises(UserError, match="--overlap on with --comm-compression"):
         EngineConfig(model="m", tp=2, comm="torch", overlap="on", comm_compression="int8")

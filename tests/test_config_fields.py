@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from braid.config import UserError
+from braid.errors import UserError
 from braid.loader.model_config import load_model_config
 from braid.models.config_fields import (
     FIELDS,

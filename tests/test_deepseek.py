@@ -17,9 +17,9 @@ from braid import LLM, SamplingParams
 from braid.config import EngineConfig
 from braid.distributed.comm import SkipCommunicator
 from braid.engine.core import EngineCore
-from braid.engine.model_runner import ModelRunner
 from braid.loader.model_config import load_model_config
 from braid.random_model import make_random_model
+from braid.worker.model_runner import ModelRunner
 
 GREEDY_STEPS = 32
 
@@ -189,9 +189,9 @@ def test_router_matches_transformers(method, scoring, norm):
 def test_checkpoint_problems_are_named(deepseek_folders):
     """A missing expert tensor is named; layers past num_hidden_layers (V3's MTP module) are
     skipped, not reported."""
-    from braid.engine.model_runner import checkpoint_weights
     from braid.loader.weights import TensorWeight, load_weights
     from braid.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from braid.worker.model_runner import checkpoint_weights
 
     folder = deepseek_folders["deepseek_v3"]
     config = load_model_config(folder)

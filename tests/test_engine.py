@@ -7,15 +7,16 @@ import pytest
 import torch
 from engine_utils import RunnerExecutor, run_requests
 
-from braid.config import EngineConfig, UserError
+from braid.config import EngineConfig
 from braid.distributed.comm import SkipCommunicator
-from braid.engine.batch import Penalty, SamplingBatch, StepPlan
 from braid.engine.core import EngineCore
-from braid.engine.model_runner import ModelRunner
 from braid.engine.request import Request, SamplingParams
-from braid.engine.sampler import postprocess, sample, token_logprobs
+from braid.errors import UserError
 from braid.layers import attention_ops, decode_kernel
 from braid.loader.model_config import load_model_config
+from braid.step import Penalty, SamplingBatch, StepPlan
+from braid.worker.model_runner import ModelRunner
+from braid.worker.sampler import postprocess, sample, token_logprobs
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 

@@ -139,7 +139,7 @@ def test_a_served_chat_uses_the_family_template(arch, family, tokenizer, tmp_pat
     import openai
     from server_utils import braid_server
 
-    from braid.engine.tokenizer import apply_chat_template, load_tokenizer
+    from braid.loader.tokenizer import apply_chat_template, load_tokenizer
 
     folder, _ = family(arch)
     question = "Name a colour."

@@ -16,9 +16,10 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_writer import write_gguf
 from safetensors.torch import load_file
 
-from braid.config import ModelConfig, UserError
-from braid.engine.llm import LLM
+from braid.config import ModelConfig
 from braid.engine.request import SamplingParams
+from braid.errors import UserError
+from braid.frontend.llm import LLM
 from braid.loader.gguf import gguf_config, iterate_gguf
 from braid.loader.model_config import load_model_config
 from braid.models.config_fields import check_config_fields
@@ -264,7 +265,7 @@ def test_control_tokens_that_are_not_ascii_keep_their_ids(tiny_models, tmp_path)
     vocabulary; braid's tokenizer keeps each whole at its id."""
     from transformers import AutoTokenizer
 
-    from braid.engine.tokenizer import load_tokenizer
+    from braid.loader.tokenizer import load_tokenizer
 
     renamed = {1: "<｜User｜>", 2: "<｜Assistant｜>"}  # SmolLM2's <|im_start|>, <|im_end|>
     path = write_gguf(tiny_models("llama").folder, tmp_path / "renamed.gguf",

@@ -11,11 +11,11 @@ import pytest
 import torch
 from engine_utils import FAKE_EOS, fake_core, run_requests
 
-from braid.config import UserError
 from braid.engine.grammar import Grammars, StructuredOutputs, accept_token, closed_objects
 from braid.engine.plan import sampling_batch
 from braid.engine.request import SamplingParams, Sequence
-from braid.engine.sampler import apply_grammar_mask, sample
+from braid.errors import UserError
+from braid.worker.sampler import apply_grammar_mask, sample
 
 DIGITS = r"[0-9]{3}-[0-9]{2,5}"
 

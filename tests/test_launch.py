@@ -16,7 +16,8 @@ import pytest
 import rank_targets
 from driver_utils import driver_process, kill_and_wait_for_ranks
 
-from braid.distributed.launch import RANK_ENV, RankFailure, RankGroup, cores_for_rank
+from braid.distributed.ranks import RankFailure
+from braid.distributed.ranks.local import RANK_ENV, LocalRankGroup, cores_for_rank
 
 TESTS = Path(__file__).parent
 
@@ -34,7 +35,7 @@ def test_ranks_start_with_the_rank_environment_unless_the_user_set_it(monkeypatc
     was."""
     monkeypatch.setenv("MALLOC_MMAP_MAX_", "7")
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    group = RankGroup(1, rank_targets.report_environment, (list(RANK_ENV),))
+    group = LocalRankGroup(1, rank_targets.report_environment, (list(RANK_ENV),))
     try:
         [seen] = group.gather(timeout=60)
     finally:
@@ -50,9 +51,9 @@ def test_a_rank_that_showed_a_progress_bar_leaves_no_semaphore_behind():
         import sys
         sys.path.insert(0, {str(TESTS)!r})
         import rank_targets
-        from braid.distributed.launch import RankGroup
+        from braid.distributed.ranks.local import LocalRankGroup
         if __name__ == "__main__":
-            group = RankGroup(1, rank_targets.show_a_progress_bar)
+            group = LocalRankGroup(1, rank_targets.show_a_progress_bar)
             print(group.gather(timeout=60))
             group.close()
     """)
@@ -63,7 +64,7 @@ def test_a_rank_that_showed_a_progress_bar_leaves_no_semaphore_behind():
 
 
 def test_ranks_run_collectives_and_stop_cleanly():
-    group = RankGroup(2, rank_targets.echo)
+    group = LocalRankGroup(2, rank_targets.echo)
     assert group.gather(timeout=60) == ["ready", "ready"]
     group.send_all(("value", 3))
     assert group.gather(timeout=30) == [(0, 6.0), (1, 6.0)]
@@ -74,7 +75,7 @@ def test_ranks_run_collectives_and_stop_cleanly():
 
 
 def test_a_rank_that_raises_fails_the_launch_within_10s():
-    group = RankGroup(2, rank_targets.raise_on_rank_1)
+    group = LocalRankGroup(2, rank_targets.raise_on_rank_1)
     group.gather(timeout=60)
     start = time.monotonic()
     with pytest.raises(RankFailure, match="injected failure on rank 1"):
@@ -84,7 +85,7 @@ def test_a_rank_that_raises_fails_the_launch_within_10s():
 
 
 def test_a_killed_rank_fails_the_launch():
-    group = RankGroup(2, rank_targets.echo)
+    group = LocalRankGroup(2, rank_targets.echo)
     group.gather(timeout=60)
     os.kill(group.procs[1].pid, signal.SIGKILL)
     start = time.monotonic()
@@ -99,9 +100,10 @@ def test_the_launching_process_exits_nonzero_within_10s():
         import sys, time
         sys.path.insert(0, {tests!r})
         import rank_targets
-        from braid.distributed.launch import RankFailure, RankGroup
+        from braid.distributed.ranks import RankFailure
+        from braid.distributed.ranks.local import LocalRankGroup
         if __name__ == "__main__":
-            group = RankGroup(2, rank_targets.raise_on_rank_1)
+            group = LocalRankGroup(2, rank_targets.raise_on_rank_1)
             group.gather()
             print("go", time.monotonic(), flush=True)
             group.request(("go", None))
@@ -121,7 +123,8 @@ def test_ranks_outlive_the_thread_that_started_them():
     import threading
 
     box = {}
-    starter = threading.Thread(target=lambda: box.update(group=RankGroup(2, rank_targets.echo)))
+    starter = threading.Thread(
+        target=lambda: box.update(group=LocalRankGroup(2, rank_targets.echo)))
     starter.start()
     starter.join()
     group = box["group"]
@@ -139,9 +142,9 @@ def test_ranks_exit_when_their_driver_is_killed():
         import sys, time
         sys.path.insert(0, {tests!r})
         import rank_targets
-        from braid.distributed.launch import RankGroup
+        from braid.distributed.ranks.local import LocalRankGroup
         if __name__ == "__main__":
-            group = RankGroup(2, rank_targets.echo)
+            group = LocalRankGroup(2, rank_targets.echo)
             group.gather()
             print(*[p.pid for p in group.procs], flush=True)
             time.sleep(600)
@@ -175,7 +178,7 @@ def test_a_script_without_the_main_guard_gets_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=180, cwd=tmp_path)
     assert proc.returncode != 0
-    assert "braid.config.UserError" in proc.stderr
+    assert "braid.errors.UserError" in proc.stderr
     assert 'if __name__ == "__main__":' in proc.stderr
     assert "bootstrapping phase" not in proc.stderr  # multiprocessing's own message
     assert re.search(r"rank \d died \(while starting, exited with code 1", proc.stderr)
@@ -186,7 +189,7 @@ def test_rank_processes_import_only_what_they_need():
     weight loading; none of the front end (tokenizer, server, plots) or GGUF parsing."""
     script = textwrap.dedent("""
         import sys
-        import braid.cli, braid.engine.worker, braid.loader.weight_cache, braid.loader.safetensors
+        import braid.cli, braid.worker.worker, braid.loader.weight_cache, braid.loader.safetensors
         heavy = ("transformers", "tokenizers", "gguf", "fastapi", "uvicorn", "matplotlib",
                  "openai", "httpx", "prometheus_client")
         print(" ".join(m for m in heavy if m in sys.modules))

@@ -6,8 +6,10 @@ import random
 
 import pytest
 
-from braid.engine.output import CompletionState, IncrementalDetokenizer, StopMatcher
-from braid.engine.request import SamplingParams, SequenceDelta
+from braid.engine.request import SamplingParams
+from braid.frontend.detokenizer import IncrementalDetokenizer, StopMatcher
+from braid.frontend.tracker import CompletionState
+from braid.step import SequenceDelta
 
 TEXT = "Crabs 🦀 and hearts ❤️: 日本語のテキスト, naïve café. Done!"
 

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from braid.config import switch_options
-from braid.engine.batch import StepPlan
 from braid.overlap.operations import (
     YIELD,
     StateError,
@@ -14,7 +13,8 @@ from braid.overlap.operations import (
     execute_overlapped,
     split_stages,
 )
-from braid.overlap.split import split_step
+from braid.step import StepPlan
+from braid.worker.split import split_step
 
 BLOCK = 16
 

@@ -7,7 +7,7 @@ import torch
 from conftest import slow
 
 from braid import LLM, SamplingParams
-from braid.overlap.split import split_step
+from braid.worker.split import split_step
 
 TOLERANCE = 2e-3
 

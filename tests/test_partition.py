@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from braid.config import UserError
+from braid.errors import UserError
 from braid.layers.partition import partition_heads, split_range, split_sizes
 from braid.loader.gguf import unpermute_rotary
 

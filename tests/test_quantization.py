@@ -14,7 +14,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from braid.config import EngineConfig
 from braid.distributed.comm import SkipCommunicator
 from braid.engine.core import EngineCore
-from braid.engine.model_runner import ModelRunner
 from braid.engine.request import Request, SamplingParams
 from braid.layers import quant
 from braid.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -27,6 +26,7 @@ from braid.layers.quant import (
     packing_supported,
 )
 from braid.loader.model_config import load_model_config
+from braid.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
 

@@ -14,8 +14,8 @@ from conftest import slow
 from safetensors import safe_open
 
 from braid.cli import build_parser
-from braid.config import UserError
-from braid.engine.tokenizer import apply_chat_template, load_tokenizer
+from braid.errors import UserError
+from braid.loader.tokenizer import apply_chat_template, load_tokenizer
 from braid.models.config_fields import check_config_fields
 from braid.random_model import ARCHS, CHAT_TEMPLATES, make_random_model
 

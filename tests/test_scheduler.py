@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from engine_utils import FAKE_EOS, fake_core, fake_next_token, run_requests
 
-from braid.config import UserError
-from braid.engine.batch import StepResult
 from braid.engine.core import EngineError
 from braid.engine.request import Request, SamplingParams
+from braid.errors import UserError
+from braid.step import StepResult
 
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
 RNG = np.random.default_rng(0)

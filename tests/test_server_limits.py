@@ -18,11 +18,12 @@ from conftest import API_KEY
 from fastapi.testclient import TestClient
 
 from braid.config import default_model_path
-from braid.engine.request import SamplingParams, SequenceDelta
+from braid.engine.request import SamplingParams
 from braid.loader.model_config import load_model_config
 from braid.server.api import ServerContext, build_app
 from braid.server.generation import generate, make_runs
 from braid.server.metrics import Metrics
+from braid.step import SequenceDelta
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -241,7 +242,7 @@ def test_health_never_shows_the_engines_trace():
 
 def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
     from braid.cli import api_key
-    from braid.config import UserError
+    from braid.errors import UserError
 
     def args(**values) -> argparse.Namespace:
         return argparse.Namespace(**{"api_key": None, "api_key_file": None, **values})
@@ -281,7 +282,7 @@ def test_a_completion_whose_text_fails_fails_alone():
         return [e async for e in generate(engine, [run], deltas, Metrics())]
 
     asyncio.run(events())
-    good, bad = run.states
+    good, bad = run.completions
     assert bad.finish_reason == "error" and "detokenizing failed" in bad.error
     assert good.finish_reason == "length" and good.text == "bc"
     assert aborted == [1]

@@ -17,9 +17,11 @@ import pytest
 import rank_targets
 from driver_utils import driver_process, kill_and_wait_for_ranks
 
-from braid.config import EngineConfig, UserError, resolve_comm
-from braid.distributed.launch import RankFailure, RankGroup
+from braid.config import EngineConfig, resolve_comm
+from braid.distributed.ranks import RankFailure
+from braid.distributed.ranks.local import LocalRankGroup
 from braid.distributed.shm import SEGMENT_PREFIX, ShmSegment, shm_dir
+from braid.errors import UserError
 
 BRAID = Path(sys.executable).with_name("braid")
 
@@ -30,7 +32,7 @@ def segments() -> set[str]:
 
 def launch(world_size, target, **segment_args):
     segment = ShmSegment.create(world_size, **segment_args)
-    group = RankGroup(world_size, target, (segment,), cleanup=segment.unlink)
+    group = LocalRankGroup(world_size, target, (segment,), cleanup=segment.unlink)
     return group, segment
 
 
@@ -135,11 +137,11 @@ def test_no_segment_remains_after_the_driver_is_killed_while_ranks_start():
         import sys, time
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import rank_targets
-        from braid.distributed.launch import RankGroup
+        from braid.distributed.ranks.local import LocalRankGroup
         from braid.distributed.shm import ShmSegment
         if __name__ == "__main__":
             segment = ShmSegment.create(2)
-            group = RankGroup(2, rank_targets.hold_segment_unmapped, (segment,),
+            group = LocalRankGroup(2, rank_targets.hold_segment_unmapped, (segment,),
                               cleanup=segment.unlink)
             group.gather(timeout=60)
             print(*[p.pid for p in group.procs], flush=True)

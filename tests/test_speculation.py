@@ -11,7 +11,7 @@ import pytest
 from conftest import slow
 from engine_utils import RunnerExecutor, fake_core, fake_next_token, run_requests
 
-from braid.config import EngineConfig, UserError
+from braid.config import EngineConfig
 from braid.engine.core import EngineCore
 from braid.engine.kv_cache import BlockManager
 from braid.engine.request import SamplingParams, Sequence
@@ -24,6 +24,7 @@ from braid.engine.speculation import (
     Speculator,
     StepTimes,
 )
+from braid.errors import UserError
 
 
 class OracleProposer:

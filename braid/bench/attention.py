@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from braid.config import DTYPES, default_model_path, resolve_dtype, usable_cores
+from braid.config import DTYPES, default_model_path, resolve_dtype
 from braid.layers import decode_kernel
 from braid.layers.attention_ops import (
     batched_causal_attention,
@@ -39,6 +39,7 @@ from braid.layers.attention_ops import (
 )
 from braid.layers.partition import partition_heads
 from braid.loader.model_config import load_model_config
+from braid.platform import usable_cores
 
 DECODE_SHAPES = [(1, 128), (1, 512), (8, 512), (32, 128), (32, 512), (64, 1024)]
 PREFILL_SHAPES = [(1, 128, 0), (1, 512, 0), (8, 512, 0), (1, 2048, 0), (1, 512, 1536),

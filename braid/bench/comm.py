@@ -21,11 +21,13 @@ import time
 import numpy as np
 import torch
 
-from braid.config import DTYPES, UserError, resolve_dtype, usable_cores
+from braid.config import DTYPES, resolve_dtype
 from braid.distributed.comm import Communicator, TorchCommunicator
-from braid.distributed.launch import RankGroup
+from braid.distributed.ranks.local import LocalRankGroup
 from braid.distributed.shm import ShmCommunicator, ShmSegment
+from braid.errors import UserError
 from braid.layers.fused import configure_compile
+from braid.platform import usable_cores
 
 OPS = ("all_reduce", "block_sum", "all_gather")
 BLOCK_ROW = 1024  # elements of a token's hidden state in the block sums
@@ -133,7 +135,7 @@ def run_bench_comm(args: argparse.Namespace) -> list[dict]:
     sizes = parse_sizes(args.sizes)
     dtype = resolve_dtype(args.dtype)
     segment = ShmSegment.create(args.tp) if "shm" in backends else None
-    group = RankGroup(args.tp, bench_comm_worker, (backends, sizes, dtype, segment),
+    group = LocalRankGroup(args.tp, bench_comm_worker, (backends, sizes, dtype, segment),
                       cleanup=segment.unlink if segment else None)
     try:
         rows = group.recv(0)

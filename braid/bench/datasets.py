@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from braid.config import UserError
+from braid.errors import UserError
 
 DATASETS = ["random-ids", "random", "sharegpt", "copy-edit"]
 
@@ -183,7 +183,7 @@ def _chat_ids(tokenizer, text: str) -> list[int]:
     """`text` as one user turn in the tokenizer's chat template (the request goes to the
     completions endpoint, which applies none), or as plain text where it has none."""
     if getattr(tokenizer, "chat_template", None):
-        from braid.engine.tokenizer import apply_chat_template
+        from braid.loader.tokenizer import apply_chat_template
 
         return apply_chat_template(tokenizer, text)
     return list(tokenizer.encode(text))

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from braid.bench.one_batch import (
+from braid.bench.harness import (
     BraidWorkload,
     OneBatch,
     append_rows,
@@ -24,20 +24,14 @@ from braid.bench.one_batch import (
     fastest_by_mode,
     timed,
 )
-from braid.config import (
-    DTYPES,
-    SWITCH_CHOICES,
-    EngineConfig,
-    UserError,
-    resolve_comm,
-    resolve_dtype,
-    usable_cores,
-)
+from braid.config import DTYPES, SWITCH_CHOICES, EngineConfig, resolve_comm, resolve_dtype
 from braid.distributed.comm import TorchCommunicator
-from braid.distributed.launch import RankGroup
+from braid.distributed.ranks.local import LocalRankGroup
 from braid.distributed.shm import ShmCommunicator, ShmSegment, activation_slot_bytes
+from braid.errors import UserError
 from braid.layers.linear import DataParallelLinear
 from braid.loader.model_config import load_model_config
+from braid.platform import usable_cores
 
 
 def compare_dp_linear(engine: EngineConfig, bench: OneBatch, workload: BraidWorkload,
@@ -136,7 +130,7 @@ def run_bench_dp_linear(args: argparse.Namespace) -> list[dict]:
     if comm == "shm":
         segment = ShmSegment.create(args.tp, slot_bytes=activation_slot_bytes(
             max(token_counts), sum(out_sizes), DTYPES[dtype].itemsize))
-    group = RankGroup(args.tp, dp_linear_worker,
+    group = LocalRankGroup(args.tp, dp_linear_worker,
                       (config.hidden_size, out_sizes, dtype, token_counts, args.repeat, segment),
                       cleanup=segment.unlink if segment else None)
     try:

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from braid.bench.one_batch import BenchResult, RankWorkload, serve_runs, time_steps
-from braid.config import EngineConfig, UserError, usable_cores
+from braid.bench.harness import BenchResult, RankWorkload, serve_runs, time_steps
+from braid.config import EngineConfig
+from braid.errors import UserError
+from braid.platform import usable_cores
 
 
 class LlamaCppWorkload(RankWorkload):

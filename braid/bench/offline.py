@@ -9,8 +9,8 @@ import time
 
 from braid.bench.datasets import sample_requests
 from braid.bench.serving import line
-from braid.engine.llm import LLM
 from braid.engine.request import SamplingParams
+from braid.frontend.llm import LLM
 
 
 def run_bench_offline(engine_args: dict, dataset_name: str, num_prompts: int,

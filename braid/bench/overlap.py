@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from braid.bench.one_batch import (
+from braid.bench.harness import (
     BraidWorkload,
     OneBatch,
     append_rows,

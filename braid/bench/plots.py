@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from braid.config import UserError
+from braid.errors import UserError
 
 # Per kind of result: how to recognise a row, the settings that tell rows apart, the metrics.
 KINDS = {

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from braid.distributed import compression
-from braid.overlap.trace import tracer
+from braid.trace import tracer
 
 Pending = tuple[torch.Tensor, ...]
 

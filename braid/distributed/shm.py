@@ -48,8 +48,9 @@ from dataclasses import dataclass
 import torch
 
 from braid import native
-from braid.config import SHM_NEEDS_TSO, UserError, host_has_total_store_order
 from braid.distributed.comm import Communicator, Pending
+from braid.errors import UserError
+from braid.platform import SHM_NEEDS_TSO, host_has_total_store_order
 
 SHM_DIR_ENV = "BRAID_SHM_DIR"  # where segments go when not /dev/shm (another tmpfs)
 SEGMENT_PREFIX = "braid-"

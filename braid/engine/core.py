@@ -11,120 +11,42 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from itertools import count
-from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
 
-from braid import native
-from braid.config import EngineConfig, ModelConfig, UserError, switch_options
-from braid.distributed.launch import check_not_bootstrapping, launch_ranks, ranks_span_hosts
-from braid.distributed.shm import ShmSegment, activation_slot_bytes
-from braid.engine.batch import StepPlan, StepResult
-from braid.engine.compiled_step import CompileStatus, auto_compile_pays
-from braid.engine.grammar import Grammars, GrammarTimes
+from braid.config import EngineConfig, ModelConfig, switch_options
+from braid.distributed.ranks.torchrun import ranks_span_hosts
+from braid.engine.executor import Executor
+from braid.engine.grammar import Grammars
 from braid.engine.kv_cache import BlockManager
 from braid.engine.plan import SequenceRows, build_plan
-from braid.engine.request import (
-    Request,
-    SamplingParams,
-    Sequence,
-    SequenceDelta,
-    request_failure,
-)
+from braid.engine.request import Request, SamplingParams, Sequence, check_request
 from braid.engine.scheduler import Scheduler
 from braid.engine.speculation import NgramProposer, Speculator
+from braid.engine.stats import EngineStats
 from braid.engine.step_choice import Setting, StepChooser, describe, step_bucket
-from braid.engine.tokenizer import eos_token_ids, load_tokenizer
-from braid.engine.worker import worker_main
-from braid.loader.weight_cache import prepare_gguf_weights
+from braid.errors import UserError, request_failure
+from braid.loader.tokenizer import eos_token_ids, load_tokenizer
 from braid.models.registry import model_class
+from braid.step import SequenceDelta, StepPlan, StepResult
+
+# `--compile auto` compiles for a job of at least this many tokens to generate (`generate`,
+# `LLM.generate`), by whether the graphs are saved: loading them and compiling the pieces is
+# soon repaid by compiled decode steps, compiling cold takes minutes (figures:
+# docs/performance.md, "Compiled steps").
+AUTO_COMPILE_MIN_TOKENS = {True: 512, False: 16384}
+
+
+def auto_compile_pays(job_tokens: int, cached: bool) -> bool:
+    """Whether `--compile auto` compiles for a job of `job_tokens` tokens to generate."""
+    return job_tokens >= AUTO_COMPILE_MIN_TOKENS[cached]
 
 
 class EngineError(RuntimeError):
     """The engine cannot go on (a rank's answer does not belong to the step asked)."""
-
-
-class Executor(Protocol):
-    """Runs step plans on the model: the rank processes, or a runner in this process."""
-
-    compile_status: CompileStatus
-
-    def step(self, plan: StepPlan,
-             fill_masks: Callable[[], np.ndarray] | None = None) -> StepResult:
-        """Run `plan`; where it has grammar rows, `fill_masks()` gives their bitmask, called
-        while the forward step runs where the executor can (`RankExecutor`)."""
-
-    def prepare_compiled(self) -> str:
-        """Compile or load the compiled steps on every rank (`ModelRunner.prepare_compiled`);
-        what was done, in a line."""
-
-    def check_alive(self) -> None:
-        """Raise if the model can no longer run (a rank died while the engine was idle)."""
-
-    def close(self) -> None: ...
-
-
-class RankExecutor:
-    """The model's tensor-parallel ranks as processes: plans out, rank 0's results back.
-
-    Construction starts the ranks and returns at once (the caller may load its tokenizer
-    meanwhile); `wait_ready` waits until every rank has loaded its shard.
-    """
-
-    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
-        check_not_bootstrapping()
-        # Refuse an unsupported architecture or split before launching.
-        model_cls = model_class(model_config)
-        model_cls.check_config(model_config, config.tp)
-        split = model_cls.describe_split(model_config, config.tp) if config.tp > 1 else ""
-        if split:
-            print(f"tp {config.tp} split: {split}", file=sys.stderr)
-        if config.cache and Path(config.model).is_file():
-            prepare_gguf_weights(config.model, model_config, config.torch_dtype)
-        if config.device == "cpu":
-            native.load(announce=True)  # built once, here, so that no rank waits on the build
-        segment = None
-        if config.comm == "shm" and config.tp > 1:
-            segment = ShmSegment.create(config.tp, slot_bytes=activation_slot_bytes(
-                config.max_num_batched_tokens, model_config.widest_activation,
-                config.torch_dtype.itemsize))
-        try:
-            self.ranks = launch_ranks(config.tp, worker_main, (config, model_config, segment),
-                                      cleanup=segment.unlink if segment else None,
-                                      timeout_s=config.comm_timeout_s)
-        except BaseException:
-            if segment is not None:
-                segment.unlink()
-            raise
-
-    def wait_ready(self) -> None:
-        """Wait until every rank has loaded its shard; rank 0's `compile_status` is kept."""
-        try:
-            self.compile_status = self.ranks.gather()[0]
-        except BaseException:
-            self.ranks.close()
-            raise
-
-    def step(self, plan: StepPlan,
-             fill_masks: Callable[[], np.ndarray] | None = None) -> StepResult:
-        self.ranks.send_all(("step", plan))
-        if fill_masks is not None:  # while the ranks compute the logits
-            self.ranks.send(0, ("mask", fill_masks()))
-        return self.ranks.recv(0)
-
-    def prepare_compiled(self) -> str:
-        return self.ranks.request(("compile", None))
-
-    def check_alive(self) -> None:
-        self.ranks.check_alive()
-
-    def close(self) -> None:
-        self.ranks.close()
 
 
 @dataclass
@@ -138,60 +60,6 @@ class StepPolicy:
     dp_linear_min_tokens: int | None
     skip_comm: bool
     comm_compression: str = "none"
-
-
-@dataclass
-class EngineStats:
-    """Counters and gauges for metrics: current load, and totals since start."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_steps: int
-    num_steps_overlap: int
-    num_steps_dp_linear: int
-    steps_by_path: dict[str, int]  # `StepResult.path` -> steps that took it
-    num_sequences_received: int = 0  # every sequence of every request `add` was given
-    num_draft_tokens: int = 0  # tokens proposed by speculative decoding and verified
-    num_accepted_tokens: int = 0  # ... and accepted
-    step_choices: dict[str, str] = field(default_factory=dict)  # `auto`'s, by step bucket
-    num_probe_steps: int = 0  # steps `auto` ran to measure a setting
-    grammar: GrammarTimes = field(default_factory=GrammarTimes)
-
-
-def check_request(prompt_ids: list[int], params: SamplingParams, model_config: ModelConfig,
-                  kv_capacity: int) -> None:
-    """Raise `UserError` (naming the field at fault) if a request can never run: an empty
-    prompt, a token outside the vocabulary (in the prompt, `stop_token_ids`, `logit_bias` or
-    `logprob_token_ids`), or a prompt that with its `max_new_tokens` exceeds the model's
-    context or the KV cache."""
-    context = model_config.max_position_embeddings
-    n = len(prompt_ids)
-    if not prompt_ids:
-        raise UserError("a prompt must have at least one token", "prompt")
-    vocab = model_config.vocab_size
-    for name, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids),
-                      ("logit_bias", [t for t, _ in params.logit_bias]),
-                      ("logprob_token_ids", params.logprob_token_ids)):
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise UserError(f"{name}: token id {bad[0]} is outside the vocabulary "
-                            f"(0..{vocab - 1})", name)
-    if n >= context:
-        raise UserError(f"prompt of {n} tokens does not fit the model's context of {context} "
-                        "tokens", "prompt")
-    total = n + params.max_new_tokens
-    if total > context:
-        raise UserError(f"prompt of {n} tokens plus {params.max_new_tokens} new tokens exceeds "
-                        f"the model's context of {context} tokens; ask for at most "
-                        f"{context - n} new tokens", "max_tokens")
-    if total > kv_capacity:
-        raise UserError(f"prompt of {n} tokens plus {params.max_new_tokens} new tokens exceeds "
-                        f"the KV cache ({kv_capacity} tokens); raise --max-total-tokens or ask "
-                        "for fewer tokens", "max_tokens")
 
 
 class EngineCore:

@@ -1,14 +1,15 @@
 """`--speculative draft`: a small model sharing the target's tokenizer proposes each
 sequence's next tokens, greedily, in the engine's own process.
 
-The draft is a `ModelRunner` of one rank (any model braid loads, at the target's dtype) with a
-paged KV cache of its own, as large as the target's, whose blocks this proposer allocates per
-sequence (`BlockManager`, no prefix cache). Before a step it catches each decoding sequence's
-cache up with the tokens it has not seen (the prompt at first, then the accepted tokens and the
-target's last one) in one batched forward whose last row proposes the first token, then runs
-one batched decode step per further token. The keys it wrote for its own proposals stay valid
-as far as the target accepted them; the rest are overwritten by the next catch-up. A sequence
-that stops decoding (finished, preempted) gives its blocks back at the next proposal.
+The draft is a `ModelRunner` of one rank (any model braid loads, at the target's dtype; loaded
+by name, as the engine imports no rank code) with a paged KV cache of its own, as large as the
+target's, whose blocks this proposer allocates per sequence (`BlockManager`, no prefix cache).
+Before a step it catches each decoding sequence's cache up with the tokens it has not seen (the
+prompt at first, then the accepted tokens and the target's last one) in one batched forward
+whose last row proposes the first token, then runs one batched decode step per further token.
+The keys it wrote for its own proposals stay valid as far as the target accepted them; the rest
+are overwritten by the next catch-up. A sequence that stops decoding (finished, preempted) gives
+its blocks back at the next proposal.
 
 Greedy proposals are point masses, so the target's acceptance rule (`Scheduler._record_tokens`)
 keeps the output distribution exactly the target's, at any temperature.
@@ -20,14 +21,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from braid.config import EngineConfig, ModelConfig, UserError
+from braid.config import EngineConfig, ModelConfig
 from braid.distributed.comm import SkipCommunicator
-from braid.engine.batch import StepPlan
+from braid.engine.executor import MODEL_RUNNER
 from braid.engine.kv_cache import BlockManager
-from braid.engine.model_runner import ModelRunner
 from braid.engine.plan import slot_mapping
 from braid.engine.request import Sequence
+from braid.errors import UserError
 from braid.loader.model_config import load_model_config
+from braid.spawn import resolve
+from braid.step import StepPlan
 
 
 @dataclass
@@ -53,7 +56,7 @@ class DraftProposer:
                                    max_total_tokens=config.max_total_tokens,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    compile="off", cache=config.cache, seed=config.seed)
-        self.runner = ModelRunner(self.engine, draft_config, SkipCommunicator(0, 1))
+        self.runner = resolve(MODEL_RUNNER)(self.engine, draft_config, SkipCommunicator(0, 1))
         self.blocks = BlockManager(self.engine.max_total_tokens, config.block_size,
                                    prefix_caching=False)
         self._caches: dict[int, DraftCache] = {}  # by seq_id

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from braid.config import UserError
+from braid.errors import UserError
 
 # Compact JSON with the separators of Python's json.dumps. Flexible whitespace lets a small model
 # spend its tokens on newlines and indentation, and sometimes never close the object.

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from braid.engine.batch import Penalty, PromptLogprobRows, SamplingBatch, StepPlan
 from braid.engine.request import Sequence
+from braid.step import Penalty, PromptLogprobRows, SamplingBatch, StepPlan
 
 
 @dataclass(frozen=True)

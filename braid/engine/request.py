@@ -1,16 +1,16 @@
-"""What a request asks for (`SamplingParams`, `Request`), the per-sequence state the scheduler
-tracks (`Sequence`), and what the engine reports back (`SequenceDelta`, `RequestOutput`)."""
+"""What a request asks for (`SamplingParams`, `Request`), whether it can ever run
+(`check_request`), and the per-sequence state the scheduler tracks (`Sequence`)."""
 
 from __future__ import annotations
 
 import math
-import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 
-from braid.config import UserError
+from braid.config import ModelConfig
 from braid.engine.grammar import StructuredOutputs
+from braid.errors import UserError
+from braid.step import TokenLogprob
 
 # Most alternatives per token that `logprobs` may ask for (OpenAI's limit for top_logprobs).
 MAX_LOGPROBS = 20
@@ -22,14 +22,6 @@ _TOP_K_NO_LIMIT = 1 << 31  # top_k beyond any vocabulary: no limit (kept in an i
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 1e4
 REPETITION_PENALTY_RANGE = (1e-4, 1e4)
-
-
-def request_failure(what: str, error: BaseException) -> str:
-    """For a failure one request explains (it fails alone): the traceback goes to this
-    process's stderr, which is the server's log; the client's message says what failed and
-    the exception's type only."""
-    traceback.print_exception(error, file=sys.stderr)
-    return f"{what} failed ({type(error).__name__}; see the server's log)"
 
 
 @dataclass(frozen=True)
@@ -136,17 +128,6 @@ class Request:
     group: str | None = None
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A token's logprob, the `top` alternatives (token id, logprob), most likely first, and
-    the logprobs of the tokens a request named (`scored`, in its order)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-    scored: tuple[tuple[int, float], ...] = ()
-
-
 @dataclass(eq=False)  # compared by identity: the scheduler's queues hold the objects
 class Sequence:
     """One of a request's `n` completions: its tokens, KV blocks and progress."""
@@ -202,63 +183,33 @@ class Sequence:
         return self.finish_reason is not None
 
 
-@dataclass
-class SequenceDelta:
-    """What one step did for one sequence: new tokens (with logprobs if asked), or the end.
-
-    `finish_reason` is "stop" (EOS, a stop token, a stop string or a complete grammar),
-    "length", "abort" or "error" (then `error` says why); `stop_reason` is the stop token id or
-    string; `by_stop_token`: the last new token is the EOS or stop token that ended the
-    sequence (not part of the text).
-    `prompt_logprobs` arrive once, with the first generated token.
-    """
-
-    request_id: str
-    index: int
-    new_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    by_stop_token: bool = False
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-
-
-@dataclass
-class CompletionOutput:
-    """One finished completion of a request (`error` says why when finish_reason is
-    "error": only this request failed)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    stop_reason: int | str | None = None
-    logprobs: list[TokenLogprob] | None = None
-    error: str | None = None
-
-
-@dataclass
-class RequestOutput:
-    """A finished request: the prompt and its `n` completions (`text`, `token_ids` and
-    `finish_reason` are the first completion's)."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    num_cached_tokens: int = 0
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> str:
-        return self.outputs[0].finish_reason
+def check_request(prompt_ids: list[int], params: SamplingParams, model_config: ModelConfig,
+                  kv_capacity: int) -> None:
+    """Raise `UserError` (naming the field at fault) if a request can never run: an empty
+    prompt, a token outside the vocabulary (in the prompt, `stop_token_ids`, `logit_bias` or
+    `logprob_token_ids`), or a prompt that with its `max_new_tokens` exceeds the model's
+    context or the KV cache."""
+    context = model_config.max_position_embeddings
+    n = len(prompt_ids)
+    if not prompt_ids:
+        raise UserError("a prompt must have at least one token", "prompt")
+    vocab = model_config.vocab_size
+    for name, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids),
+                      ("logit_bias", [t for t, _ in params.logit_bias]),
+                      ("logprob_token_ids", params.logprob_token_ids)):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise UserError(f"{name}: token id {bad[0]} is outside the vocabulary "
+                            f"(0..{vocab - 1})", name)
+    if n >= context:
+        raise UserError(f"prompt of {n} tokens does not fit the model's context of {context} "
+                        "tokens", "prompt")
+    total = n + params.max_new_tokens
+    if total > context:
+        raise UserError(f"prompt of {n} tokens plus {params.max_new_tokens} new tokens exceeds "
+                        f"the model's context of {context} tokens; ask for at most "
+                        f"{context - n} new tokens", "max_tokens")
+    if total > kv_capacity:
+        raise UserError(f"prompt of {n} tokens plus {params.max_new_tokens} new tokens exceeds "
+                        f"the KV cache ({kv_capacity} tokens); raise --max-total-tokens or ask "
+                        "for fewer tokens", "max_tokens")

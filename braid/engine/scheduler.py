@@ -31,11 +31,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from braid.engine.batch import StepResult
 from braid.engine.grammar import accept_token
 from braid.engine.kv_cache import BlockManager
 from braid.engine.plan import SequenceRows
-from braid.engine.request import Sequence, SequenceDelta, request_failure
+from braid.engine.request import Sequence
+from braid.errors import request_failure
+from braid.step import SequenceDelta, StepResult
 
 
 class WaitingQueue:

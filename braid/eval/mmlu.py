@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from braid.config import UserError, resolve_comm, resolve_dtype
+from braid.config import resolve_comm, resolve_dtype
+from braid.errors import UserError
 
 LETTERS = "ABCD"
 
@@ -124,8 +125,8 @@ class EvalResult:
 
 
 def score_braid(questions: list[Question], engine_args: dict) -> EvalResult:
-    from braid.engine.llm import LLM
     from braid.engine.request import SamplingParams
+    from braid.frontend.llm import LLM
 
     with LLM(**engine_args) as llm:
         context = llm.model_config.max_position_embeddings
@@ -151,7 +152,7 @@ def score_hf(questions: list[Question], model: str, dtype: str) -> EvalResult:
     import torch
 
     from braid.config import DTYPES
-    from braid.engine.tokenizer import load_tokenizer
+    from braid.loader.tokenizer import load_tokenizer
     from braid.loader.transformers_model import load_transformers_model
 
     hf = load_transformers_model(model, DTYPES[dtype])
@@ -189,7 +190,7 @@ def score_openai(questions: list[Question], base_url: str, model: str | None,
 
     import httpx
 
-    from braid.bench.serving import auth_headers, discover_model, load_bench_tokenizer
+    from braid.bench.client import auth_headers, discover_model, load_bench_tokenizer
 
     base_url = base_url.rstrip("/")
     with httpx.Client(timeout=30) as client:

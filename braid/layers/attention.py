@@ -116,7 +116,7 @@ class PagedAttention(nn.Module):
         write_cache(self.k_cache, k, batch.slot_mapping, self.k_scales)
         write_cache(self.v_cache, v, batch.slot_mapping, self.v_scales)
         if torch.compiler.is_compiling():
-            # A decode step traced whole (braid.engine.compiled_step).
+            # A decode step traced whole (braid.worker.compiled_step).
             meta = batch.attn_groups[0].meta
             if self.use_decode_kernel and self.window is None:
                 return self._decode_kernel(q, meta).flatten(1)

@@ -20,7 +20,7 @@ prints the table):
   fresh prompts of equal length in one call.
 
 `traced_decode_attention` is the decode kernel for a step compiled whole
-(`braid.engine.compiled_step`): plain reductions that inductor fuses with the reads of the
+(`braid.worker.compiled_step`): plain reductions that inductor fuses with the reads of the
 keys through the block table.
 """
 
@@ -31,8 +31,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from braid.config import cpu_flags
 from braid.layers import kv_layout
+from braid.platform import cpu_flags
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from braid import native
-from braid.config import cpu_flags
 from braid.layers import kv_layout
+from braid.platform import cpu_flags
 
 # Block sizes and head dims must be multiples of the vector width (16 floats at most).
 _VECTOR_FLOATS = 16

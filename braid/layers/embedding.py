@@ -80,7 +80,7 @@ class ParallelLMHead(nn.Module, Quantizable):
         # The packed weight is the fastest form (one thread, 24,576 rows of SmolLM2 at tp 2,
         # weights cold, 2-core Zen 4: 1.5 / 2.2 / 5.2 ms at 1 / 8 / 32 rows, against 3.2 / 5.0
         # / 6.7 for weight @ hidden^T and another 2 ms at 32 rows to transpose that). A
-        # compiled step (braid.engine.compiled_step) takes the linear form too: inductor packs
+        # compiled step (braid.worker.compiled_step) takes the linear form too: inductor packs
         # a linear's weight, not a plain product's.
         if (self.packed is not None or int8_applies(hidden, self.int8)
                 or torch.compiler.is_compiling()):

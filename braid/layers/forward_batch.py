@@ -1,6 +1,6 @@
 """What the layers see of one forward step: the step's tokens as tensors (`ForwardBatch`) and
 how each group of its sequences attends (`AttentionMetadata`), built once per step for every
-layer. The engine builds a `ForwardBatch` from its `StepPlan` (`braid.engine.batch`); nothing
+layer. The engine builds a `ForwardBatch` from its `StepPlan` (`braid.step`); nothing
 here imports the engine."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from braid.layers.attention_ops import prefix_causal_mask, sliding_key_mask
 
 
 class StepArrays(Protocol):
-    """The fields of a step plan a `ForwardBatch` reads (`braid.engine.batch.StepPlan`)."""
+    """The fields of a step plan a `ForwardBatch` reads (`braid.step.StepPlan`)."""
 
     input_ids: np.ndarray
     positions: np.ndarray

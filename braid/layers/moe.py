@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from braid.config import UserError
 from braid.distributed.comm import Communicator
+from braid.errors import UserError
 from braid.layers.linear import ReplicatedLinear, _copy_checked, _param
 from braid.layers.partition import split_range
 from braid.loader.weights import LazyWeight

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from braid.config import UserError
+from braid.errors import UserError
 
 
 def split_sizes(total: int, parts: int) -> list[int]:

@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from braid import native
-from braid.config import cpu_flags
 from braid.layers import decode_kernel
 from braid.layers.fused import silu_mul
+from braid.platform import cpu_flags
 
 INT8_MAX_ROWS = 4  # GEMMs of at most this many rows use the int8 weights
 

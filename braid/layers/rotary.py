@@ -8,7 +8,8 @@ import math
 import torch
 from torch import nn
 
-from braid.config import UserError, rope_kind
+from braid.config import rope_kind
+from braid.errors import UserError
 from braid.layers.fused import rotate
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import gguf
 from gguf import MODEL_TENSOR, Keys
 
-from braid.config import UserError
+from braid.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -8,24 +8,30 @@ import json
 from pathlib import Path
 
 from braid.cache import cached
-from braid.config import ModelConfig, UserError
+from braid.config import ModelConfig
+from braid.errors import UserError
 
 CONFIG_FILE = "config.json"
 
 
-def load_model_config(model: str, use_cache: bool = True) -> ModelConfig:
-    """Config of a GGUF file or a Hugging Face folder; `UserError` naming what is wrong."""
+def check_model_path(model: str) -> None:
+    """`UserError` unless `model` is a GGUF file or a folder with a `config.json`."""
     path = Path(model)
     if not path.exists():
         raise UserError(f"model path does not exist: {model}")
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise UserError(f"{model} is a file but not a .gguf file; pass a GGUF file or a folder")
-        return ModelConfig.from_hf_dict(gguf_config_dict(path, use_cache))
-    config_file = path / CONFIG_FILE
-    if not config_file.exists():
+    if path.is_file() and path.suffix != ".gguf":
+        raise UserError(f"{model} is a file but not a .gguf file; pass a GGUF file or a folder")
+    if path.is_dir() and not (path / CONFIG_FILE).exists():
         raise UserError(f"{model} has no config.json; pass a Hugging Face model folder or GGUF")
-    return ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+
+
+def load_model_config(model: str, use_cache: bool = True) -> ModelConfig:
+    """Config of a GGUF file or a Hugging Face folder; `UserError` naming what is wrong."""
+    check_model_path(model)
+    path = Path(model)
+    if path.is_file():
+        return ModelConfig.from_hf_dict(gguf_config_dict(path, use_cache))
+    return ModelConfig.from_hf_dict(json.loads((path / CONFIG_FILE).read_text()))
 
 
 def gguf_config_dict(path: str | Path, use_cache: bool = True) -> dict:

@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from braid.config import UserError, rope_kind
+from braid.config import rope_kind
+from braid.errors import UserError
 
 IMPLEMENTED, NO_EFFECT, NEUTRAL = "implemented", "no effect", "neutral only"
 

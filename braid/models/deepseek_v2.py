@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from braid.config import ModelConfig, UserError, rope_kind
+from braid.config import ModelConfig, rope_kind
 from braid.distributed.comm import Communicator, Pending
+from braid.errors import UserError
 from braid.layers.forward_batch import ForwardBatch
 from braid.layers.linear import ColumnParallelLinear, DataParallelLinear, RowParallelLinear
 from braid.layers.mla import LatentAttention

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from braid.overlap.trace import tracer
+from braid.trace import tracer
 
 
 class _Yield:
@@ -26,7 +26,7 @@ Operation = Callable[["State", Any], None]
 
 def between_pieces(op: Callable) -> Callable:
     """Mark an operation that compiled pieces of a step end before and resume after, so that it
-    runs eager (`braid.engine.compiled_step`): one that reads the step's per-sequence metadata,
+    runs eager (`braid.worker.compiled_step`): one that reads the step's per-sequence metadata,
     Python values a graph would specialise on (attention over sequences of any lengths). A
     decode step's whole graph still traces it (its metadata is tensors there)."""
     op.between_pieces = True

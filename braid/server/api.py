@@ -20,9 +20,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from braid.config import ModelConfig, UserError
-from braid.engine.core import check_request
-from braid.engine.request import SamplingParams
+from braid.config import ModelConfig
+from braid.engine.request import SamplingParams, check_request
+from braid.errors import UserError
 from braid.server.async_engine import AsyncEngine, EngineDead
 from braid.server.chat_tools import ToolOutput
 from braid.server.generation import PromptRun, close, generate, make_runs, submit
@@ -369,7 +369,7 @@ async def _complete(raw: Request, runs: list[PromptRun], events, respond) -> Res
         if await raw.is_disconnected():
             task.cancel()  # the caller aborts the request
             return Response(status_code=499)
-    failed = [s.error for run in runs for s in run.states if s.finish_reason == "error"]
+    failed = [s.error for run in runs for s in run.completions if s.finish_reason == "error"]
     if failed:
         raise APIError(500, f"generation failed: {failed[0]}", type_="server_error")
     return JSONResponse(respond())

@@ -15,11 +15,15 @@ import queue
 import threading
 from collections.abc import Callable
 
-from braid.config import EngineConfig, UserError
-from braid.engine.core import EngineStats
-from braid.engine.request import Request, SequenceDelta
-from braid.server.engine_process import engine_process_main
+from braid import spawn
+from braid.config import EngineConfig, ModelConfig
+from braid.engine.request import Request
+from braid.engine.stats import EngineStats
+from braid.errors import UserError
+from braid.step import SequenceDelta
 
+# The engine process's entry point, by name: this process never imports the engine's code
+ENGINE_PROCESS_MAIN = "braid.engine.process:engine_process_main"
 READY_TIMEOUT_S = 1800.0  # a cold start compiles its steps (minutes; tp 3 on 2 cores longer)
 STOP_TIMEOUT_S = 10.0
 
@@ -43,7 +47,7 @@ class AsyncEngine:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         # Not a daemon: it starts rank processes of its own.
-        self.process = ctx.Process(target=engine_process_main, args=(config, child),
+        self.process = ctx.Process(target=spawn.run, args=(ENGINE_PROCESS_MAIN, config, child),
                                    name="braid-engine")
         self.process.start()
         child.close()
@@ -57,8 +61,9 @@ class AsyncEngine:
         self.on_stats: Callable[[EngineStats], None] = lambda stats: None
         self.on_dead: Callable[[str], None] = lambda reason: None
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        """Block until the engine has loaded the model; `UserError` or `EngineDead` with the
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> ModelConfig:
+        """Block until the engine has loaded the model; the model's config, read by the
+        engine (this process loads no model code), or `UserError` or `EngineDead` with the
         engine's message if it could not."""
         if not self._conn.poll(timeout):
             self.close()
@@ -72,6 +77,7 @@ class AsyncEngine:
             if detail.startswith("error: "):
                 raise UserError(detail.removeprefix("error: "))
             raise EngineDead(detail)
+        return detail
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start relaying (call from the event loop that will consume the deltas)."""

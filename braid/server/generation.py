@@ -1,5 +1,5 @@
 """One HTTP request's generation: its prompts run as engine requests, their deltas turned into
-text events by each completion's `CompletionState` (detokenization, stop strings).
+text events by each prompt's `CompletionTracker` (detokenization, stop strings).
 
 Whatever ends the iteration (all completions finished, the client gone, an error), the
 request's unfinished completions are aborted in the engine, so their KV blocks are freed. A
@@ -11,38 +11,26 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from braid.engine.output import CompletionState
-from braid.engine.request import (
-    Request,
-    SamplingParams,
-    SequenceDelta,
-    TokenLogprob,
-    request_failure,
-)
+from braid.engine.request import Request, SamplingParams
+from braid.frontend.tracker import CompletionState, CompletionTracker
 from braid.server.async_engine import Aborted, AsyncEngine, EngineDead
 from braid.server.metrics import Metrics
+from braid.step import SequenceDelta, TokenLogprob
 
 
-@dataclass
-class PromptRun:
-    """One prompt of an HTTP request, run as one engine request with `n` completions."""
+class PromptRun(CompletionTracker):
+    """One prompt of an HTTP request, run as one engine request with `n` completions, and
+    when its tokens arrived (for the latency metrics)."""
 
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    states: list[CompletionState]
-    group: str  # the HTTP request's id: admission takes turns between groups
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    num_cached_tokens: int = 0
-    arrival: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    last_token_at: list[float] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(state.finished for state in self.states)
+    def __init__(self, request_id: str, tokenizer, prompt_ids: list[int],
+                 params: SamplingParams, group: str) -> None:
+        super().__init__(request_id, tokenizer, prompt_ids, params)
+        self.group = group  # the HTTP request's id: admission takes turns between groups
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: list[float] = []
 
 
 @dataclass
@@ -59,9 +47,7 @@ class TextEvent:
 def make_runs(base_id: str, prompts: list[list[int]], params: SamplingParams,
               tokenizer) -> list[PromptRun]:
     """One run per prompt, ids `{base_id}-{i}`, all in group `base_id`."""
-    return [PromptRun(f"{base_id}-{i}", ids, params,
-                      [CompletionState(tokenizer, ids, params, k) for k in range(params.n)],
-                      base_id)
+    return [PromptRun(f"{base_id}-{i}", tokenizer, ids, params, base_id)
             for i, ids in enumerate(prompts)]
 
 
@@ -97,7 +83,7 @@ async def generate(engine: AsyncEngine, runs: list[PromptRun], deltas: asyncio.Q
     end; then `close` them, however the iteration ends. Raises `EngineDead` if the engine
     fails meanwhile."""
     by_id = {run.request_id: (i, run) for i, run in enumerate(runs)}
-    unfinished = sum(len(run.states) for run in runs)
+    unfinished = sum(len(run.completions) for run in runs)
     try:
         while unfinished:
             item = await deltas.get()
@@ -105,7 +91,7 @@ async def generate(engine: AsyncEngine, runs: list[PromptRun], deltas: asyncio.Q
                 raise item
             if isinstance(item, Aborted):
                 i, run = by_id[item.request_id]
-                for state in run.states:
+                for state in run.completions:
                     if not state.finished:
                         state.finish_reason = "abort"
                         unfinished -= 1
@@ -113,26 +99,18 @@ async def generate(engine: AsyncEngine, runs: list[PromptRun], deltas: asyncio.Q
                 _finish_metrics(run, metrics)
                 continue
             i, run = by_id[item.request_id]
-            state = run.states[item.index]
-            if state.finished:
+            if run.completions[item.index].finished:
                 continue  # tokens generated before the engine saw our abort (stop string)
             _record_timing(run, item, metrics)
-            if item.prompt_logprobs is not None:
-                run.prompt_logprobs = [None, *item.prompt_logprobs]
-            if item.num_prompt_tokens:
-                run.num_cached_tokens = item.num_cached_tokens
-            try:
-                text, logprobs = state.update(item)
-            except Exception as e:  # noqa: BLE001 - this completion's text failed, not others
-                state.fail(request_failure("detokenizing", e))
-                text, logprobs = "", []
+            applied = run.apply(item)
+            state = applied.completion
             if state.finished:
                 unfinished -= 1
-                if item.finish_reason is None:
+                if applied.abort:
                     engine.abort(run.request_id, item.index)  # a stop string or a failure
                 if run.finished:
                     _finish_metrics(run, metrics)
-            yield TextEvent(i, run, state, text, logprobs)
+            yield TextEvent(i, run, state, applied.text, applied.logprobs)
     finally:
         close(engine, runs)
 
@@ -144,16 +122,16 @@ def _record_timing(run: PromptRun, delta: SequenceDelta, metrics: Metrics) -> No
     metrics.generation_tokens.inc(len(delta.new_token_ids))
     if run.first_token_at is None:
         run.first_token_at = now
-        run.last_token_at = [now] * len(run.states)
+        run.last_token_at = [now] * len(run.completions)
         metrics.ttft.observe(now - run.arrival)
-    elif run.states[delta.index].token_ids:
+    elif run.completions[delta.index].token_ids:
         metrics.itl.observe(now - run.last_token_at[delta.index])
     run.last_token_at[delta.index] = now
 
 
 def _finish_metrics(run: PromptRun, metrics: Metrics) -> None:
     metrics.e2e.observe(time.monotonic() - run.arrival)
-    for state in run.states:
+    for state in run.completions:
         metrics.requests.labels(finished_reason=state.finish_reason).inc()
 
 
@@ -161,7 +139,7 @@ def usage(runs: list[PromptRun], report_cached: bool = True) -> dict:
     """OpenAI's usage block: prompt tokens once per prompt, completion tokens of every
     completion, and (`report_cached`) the prompt tokens found in the prefix cache."""
     prompt = sum(len(run.prompt_ids) for run in runs)
-    completion = sum(len(state.token_ids) for run in runs for state in run.states)
+    completion = sum(len(state.token_ids) for run in runs for state in run.completions)
     block = {"prompt_tokens": prompt, "completion_tokens": completion,
              "total_tokens": prompt + completion}
     if report_cached:

@@ -15,7 +15,6 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from braid.config import UserError
 from braid.engine.grammar import StructuredOutputs
 from braid.engine.request import (
     MAX_LOGIT_BIAS,
@@ -24,6 +23,7 @@ from braid.engine.request import (
     REPETITION_PENALTY_RANGE,
     SamplingParams,
 )
+from braid.errors import UserError
 from braid.server.tool_calls import named_tool_schema, required_tools_schema
 
 

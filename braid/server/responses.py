@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
-from braid.engine.request import TokenLogprob
 from braid.server.async_engine import EngineDead
 from braid.server.chat_tools import ChoiceTools, ToolOutput
 from braid.server.generation import PromptRun, TextEvent, usage
 from braid.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from braid.step import TokenLogprob
 
 
 class _Stream(StreamingResponse):
@@ -109,7 +109,7 @@ class CompletionResponder(_Responder):
     def response(self) -> dict:
         choices = []
         for i, run in enumerate(self.runs):
-            for state in run.states:
+            for state in run.completions:
                 text = (self.prompt_texts[i] if self.request.echo else "") + state.text
                 logprobs = None
                 if self.request.logprobs is not None:
@@ -208,7 +208,7 @@ class ChatResponder(_Responder):
 
     def response(self) -> dict:
         choices = []
-        for state in self.runs[0].states:
+        for state in self.runs[0].completions:
             content, calls = self.tools.message(state.text)
             message = {"role": "assistant", "content": content}
             if calls:

@@ -22,9 +22,8 @@ import uvicorn
 
 from braid.config import EngineConfig
 from braid.engine.kv_cache import kv_capacity_tokens
-from braid.engine.tokenizer import eos_token_ids, load_tokenizer
-from braid.loader.model_config import load_model_config
-from braid.models.registry import model_class
+from braid.loader.model_config import check_model_path
+from braid.loader.tokenizer import eos_token_ids, load_tokenizer
 from braid.server.api import ServerContext, build_app
 from braid.server.async_engine import AsyncEngine
 from braid.server.metrics import Metrics
@@ -85,14 +84,13 @@ def served_name(model: str) -> str:
 
 def run_server(config: EngineConfig, settings: ServeSettings) -> int:
     """Serve until stopped; the process exit code (0 after a signal, 1 if the engine died)."""
-    model_config = load_model_config(config.model, config.cache)
-    model_class(model_config).check_config(model_config, config.tp)  # before any process starts
+    check_model_path(config.model)  # a clear error before any process starts
     engine = AsyncEngine(config)
     try:
         tokenizer = load_tokenizer(config.model, config.cache)  # while the engine loads the model
         if settings.chat_template is not None:
             tokenizer.chat_template = settings.chat_template
-        engine.wait_ready()
+        model_config = engine.wait_ready()
         metrics = Metrics()
         ctx = ServerContext(
             engine=engine, tokenizer=tokenizer, model_config=model_config,

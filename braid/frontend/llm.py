@@ -7,18 +7,15 @@ from itertools import count
 
 import torch
 
-from braid.config import EngineConfig, UserError, default_model_path
-from braid.engine.core import EngineCore, RankExecutor, StepPolicy
-from braid.engine.output import CompletionState
-from braid.engine.request import (
-    CompletionOutput,
-    Request,
-    RequestOutput,
-    SamplingParams,
-    SequenceDelta,
-)
-from braid.engine.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
+from braid.config import EngineConfig, default_model_path
+from braid.engine.core import EngineCore, StepPolicy
+from braid.engine.executor import RankExecutor
+from braid.engine.request import Request, SamplingParams
+from braid.errors import UserError
+from braid.frontend.tracker import CompletionTracker, RequestOutput
 from braid.loader.model_config import load_model_config
+from braid.loader.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
+from braid.step import SequenceDelta
 
 
 class LLM:
@@ -112,35 +109,17 @@ class LLM:
         for ids, p in zip(encoded, params_list):
             self.core.check_request(ids, p)
         self.core.compile_steps(sum(p.max_new_tokens * p.n for p in params_list))
-        states: dict[str, list[CompletionState]] = {}
-        outputs: dict[str, RequestOutput] = {}
-        order = []
-        for prompt, ids, p in zip(prompts, encoded, params_list):
+        trackers = {}
+        for ids, p in zip(encoded, params_list):
             request_id = self.add_request(ids, p)
-            order.append(request_id)
-            states[request_id] = [CompletionState(self.tokenizer, ids, p, i) for i in range(p.n)]
-            outputs[request_id] = RequestOutput(prompt if isinstance(prompt, str) else None,
-                                                ids, [])
+            trackers[request_id] = CompletionTracker(request_id, self.tokenizer, ids, p)
         while self.core.has_work:
             for delta in self.core.step():
-                self._apply(delta, states[delta.request_id], outputs[delta.request_id])
-        for request_id in order:
-            outputs[request_id].outputs = [
-                CompletionOutput(s.index, s.text, s.token_ids, s.finish_reason, s.stop_reason,
-                                 s.logprobs, s.error) for s in states[request_id]]
-        return [outputs[request_id] for request_id in order]
-
-    def _apply(self, delta: SequenceDelta, states: list[CompletionState],
-               output: RequestOutput) -> None:
-        state = states[delta.index]
-        if delta.prompt_logprobs is not None and output.prompt_logprobs is None:
-            output.prompt_logprobs = [None, *delta.prompt_logprobs]
-        if delta.num_prompt_tokens:
-            output.num_cached_tokens = delta.num_cached_tokens
-        was_finished = state.finished
-        state.update(delta)
-        if state.finished and not was_finished and delta.finish_reason is None:
-            self.core.abort(delta.request_id, delta.index)  # a stop string ended it
+                applied = trackers[delta.request_id].apply(delta)
+                if applied is not None and applied.abort:
+                    self.core.abort(delta.request_id, delta.index)  # a stop string ended it
+        return [tracker.output(prompt if isinstance(prompt, str) else None)
+                for prompt, tracker in zip(prompts, trackers.values())]
 
     def prompt_logits(self, prompts: Seq[Seq[int]]) -> list[torch.Tensor]:
         """fp32 logits at every position of each prompt (one batched prefill), for validation."""

@@ -14,17 +14,21 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
-from braid.config import EngineConfig, UserError
-from braid.distributed.launch import RankFailure, exit_with_parent
-from braid.engine.core import EngineCore, EngineError, RankExecutor
-from braid.engine.request import SequenceDelta, request_failure
+from braid.config import EngineConfig
+from braid.distributed.ranks import RankFailure
+from braid.distributed.ranks.local import exit_with_parent
+from braid.engine.core import EngineCore, EngineError
+from braid.engine.executor import RankExecutor
+from braid.errors import UserError, request_failure
 from braid.loader.model_config import load_model_config
+from braid.step import SequenceDelta
 
 IDLE_POLL_S = 0.05  # how often an idle engine checks its ranks
 
 
 def engine_process_main(config: EngineConfig, conn: Connection) -> None:
-    """Entry point: build the engine (answer "ready" or "fatal"), then serve until "stop"."""
+    """Entry point: build the engine (answer "ready" with the model's config, or "fatal"),
+    then serve until "stop"."""
     exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -46,7 +50,7 @@ def engine_process_main(config: EngineConfig, conn: Connection) -> None:
         core.close()
         sys.exit(1)
     core.grammars.prepare_in_background()
-    conn.send(("ready", None))
+    conn.send(("ready", model_config))  # the API process reads no checkpoint of its own
     try:
         serve(core, conn)
     except (EOFError, OSError):

@@ -1,7 +1,7 @@
-"""The front end's side of a completion: incremental detokenization and stop strings.
+"""Incremental detokenization and stop strings: a completion's tokens turned into text pieces.
 
-Shared by the offline `LLM` and the server, which receive token deltas from the engine core
-and turn them into text pieces. Two things make this more than `decode`:
+Shared by the offline `LLM` and the server (through `braid.frontend.tracker`), which receive
+token deltas from the engine core. Two things make this more than `decode`:
 - a token may end inside a UTF-8 character (byte-level BPE splits emoji and CJK characters);
   its bytes are held until the character is complete, so no piece carries a replacement
   character that the full text does not;
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-
-from braid.engine.request import SamplingParams, SequenceDelta, TokenLogprob
 
 # Prompt tokens decoded before the output, so tokenizers that mark word starts (SentencePiece's
 # leading space) decode the first output token as they would in context.
@@ -152,54 +150,3 @@ class IncrementalDetokenizer:
         if found is not None:
             end, self.stop_string = found
             self.text = self.text[:start + end - len(self.stop_string)]
-
-
-class CompletionState:
-    """What a front end knows of one completion: its tokens, text, logprobs and end."""
-
-    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams,
-                 index: int = 0) -> None:
-        self.index = index
-        self.params = params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids,
-                                                  params.skip_special_tokens, params.stop)
-        self.token_ids: list[int] = []
-        wants_logprobs = params.logprobs is not None or bool(params.logprob_token_ids)
-        self.logprobs: list[TokenLogprob] | None = [] if wants_logprobs else None
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def text(self) -> str:
-        return self.detokenizer.text
-
-    def fail(self, error: str) -> None:
-        """End the completion with an error (the caller aborts it in the engine)."""
-        self.finish_reason, self.error = "error", error
-
-    def update(self, delta: SequenceDelta) -> tuple[str, list[TokenLogprob]]:
-        """Apply an engine delta; return the text to emit now and the logprobs of the tokens
-        it covers. After a stop string the completion is finished (the caller aborts it in
-        the engine) and later deltas are ignored."""
-        if self.finished:
-            return "", []
-        self.token_ids += delta.new_token_ids
-        new_logprobs = delta.logprobs or []
-        if self.logprobs is not None:
-            self.logprobs += new_logprobs
-        ending = delta.finish_reason is not None
-        # A stop token (EOS or one of stop_token_ids) ends the completion without its text.
-        text_ids = delta.new_token_ids[:-1] if delta.by_stop_token else delta.new_token_ids
-        piece = self.detokenizer.add(text_ids, final=ending,
-                                     check_stop=len(self.token_ids) >= self.params.min_tokens)
-        if self.detokenizer.stop_string is not None:
-            self.finish_reason, self.stop_reason = "stop", self.detokenizer.stop_string
-        elif ending:
-            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-            self.error = delta.error
-        return piece, new_logprobs

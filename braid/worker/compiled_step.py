@@ -37,7 +37,6 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -46,14 +45,15 @@ import torch._inductor.config
 from torch import nn
 
 from braid.cache import cache_root, code_version
-from braid.config import EngineConfig, isa_flags
-from braid.engine.batch import StepPlan
+from braid.config import EngineConfig
 from braid.layers import decode_kernel
 from braid.layers.attention import PagedAttention
 from braid.layers.forward_batch import DECODE_MIN_BLOCKS, ForwardBatch
 from braid.layers.moe import RoutedExperts
 from braid.layers.quant import Quantizable
 from braid.overlap.operations import YIELD, execute, is_between_pieces, split_stages
+from braid.platform import isa_flags
+from braid.step import StepPlan
 
 # Set once in a rank process (`configure_compiler`), for every graph it compiles:
 # assert_indirect_indexing off: no bounds check per indexed load (token ids are checked when a
@@ -72,27 +72,6 @@ _DYNAMO = {"specialize_float": True, "recompile_limit": 32, "accumulated_recompi
 _CPP_WRAPPER = {"cpp_wrapper": True}
 # The rows the graph for several sequences is traced at: a typical decode batch.
 WARM_UP_ROWS = 16
-
-
-@dataclass(frozen=True)
-class CompileStatus:
-    """A rank's answer to "ready": why its steps cannot be compiled (None: they can), and
-    whether its decode graphs are saved (a warm start loads them in seconds)."""
-
-    not_compiled: str | None
-    cached: bool
-
-
-# `--compile auto` compiles for a job of at least this many tokens to generate (`generate`,
-# `LLM.generate`), by whether the graphs are saved: loading them and compiling the pieces took
-# about 10 s, which compiled decode steps save back within a few hundred tokens; compiling
-# cold took minutes (figures: docs/benchmarks.md, "Xeon with AMX: compiled steps at every tp").
-AUTO_COMPILE_MIN_TOKENS = {True: 512, False: 16384}
-
-
-def auto_compile_pays(job_tokens: int, cached: bool) -> bool:
-    """Whether `--compile auto` compiles for a job of `job_tokens` tokens to generate."""
-    return job_tokens >= AUTO_COMPILE_MIN_TOKENS[cached]
 
 
 def configure_compiler() -> None:

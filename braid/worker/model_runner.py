@@ -12,11 +12,18 @@ import torch
 
 from braid.config import EngineConfig, ModelConfig
 from braid.distributed.comm import SwitchableCommunicator
-from braid.engine.batch import StepPlan, StepResult
-from braid.engine.compiled_step import (
+from braid.engine.kv_cache import num_kv_blocks
+from braid.layers.forward_batch import ForwardBatch
+from braid.layers.fused import configure_compile
+from braid.layers.quant import PACKED_MAX_ROWS, pack_linear_layers, quantize_linear_layers
+from braid.loader.weights import load_weights, with_progress
+from braid.models.registry import model_class
+from braid.overlap.operations import execute, execute_overlapped
+from braid.step import CompileStatus, StepPlan, StepResult
+from braid.trace import tracer
+from braid.worker.compiled_step import (
     CompiledDecodeStep,
     CompiledPieces,
-    CompileStatus,
     compile_applies,
     configure_compiler,
     eager_decode_reads_kernel,
@@ -27,16 +34,8 @@ from braid.engine.compiled_step import (
     use_decode_kernels,
     warm_up_plans,
 )
-from braid.engine.kv_cache import num_kv_blocks
-from braid.engine.sampler import postprocess
-from braid.layers.forward_batch import ForwardBatch
-from braid.layers.fused import configure_compile
-from braid.layers.quant import PACKED_MAX_ROWS, pack_linear_layers, quantize_linear_layers
-from braid.loader.weights import load_weights, with_progress
-from braid.models.registry import model_class
-from braid.overlap.operations import execute, execute_overlapped
-from braid.overlap.split import split_step
-from braid.overlap.trace import tracer
+from braid.worker.sampler import postprocess
+from braid.worker.split import split_step
 
 # How long a collective may wait while the ranks compile the pieces of a warm-up step (each
 # rank compiles a piece as it first reaches it, one possibly well before the other)

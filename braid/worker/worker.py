@@ -7,9 +7,9 @@ from multiprocessing.connection import Connection
 from braid.config import EngineConfig, ModelConfig
 from braid.distributed.comm import SwitchableCommunicator, TorchCommunicator
 from braid.distributed.shm import ShmCommunicator, ShmSegment
-from braid.engine.compiled_step import configure_compiler
-from braid.engine.model_runner import ModelRunner
-from braid.overlap.trace import enable_tracing
+from braid.trace import enable_tracing
+from braid.worker.compiled_step import configure_compiler
+from braid.worker.model_runner import ModelRunner
 
 
 def make_communicator(engine: EngineConfig, rank: int, world_size: int,
@@ -29,7 +29,7 @@ def make_communicator(engine: EngineConfig, rank: int, world_size: int,
 
 def worker_main(rank: int, world_size: int, conn: Connection, engine: EngineConfig,
                 config: ModelConfig, segment: ShmSegment | None = None) -> None:
-    """Rank entry point (run by `RankGroup`): every rank answers "ready" with its
+    """Rank entry point (`braid.distributed.ranks` runs it): every rank answers "ready" with its
     `CompileStatus`; rank 0 answers steps and "compile" (`ModelRunner.prepare_compiled`), which
     every rank runs at the same point."""
     configure_compiler()

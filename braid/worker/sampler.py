@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from braid import native
-from braid.engine.batch import Penalty, SamplingBatch, StepPlan, StepResult
-from braid.engine.request import TokenLogprob, request_failure
+from braid.errors import request_failure
+from braid.step import Penalty, SamplingBatch, StepPlan, StepResult, TokenLogprob
 
 _SEED_STRIDE = 1_000_003  # distinct generator seed per (request seed, output position)
 

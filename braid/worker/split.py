@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from braid.engine.batch import StepPlan
+from braid.step import StepPlan
 
 DEFAULT_TOKEN_THRESHOLD = 0.48
 

@@ -8,7 +8,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 from braid.cache import cached
-from braid.config import ModelConfig, UserError
+from braid.config import ModelConfig
+from braid.errors import UserError
 
 
 def load_tokenizer(model: str, use_cache: bool = True):

@@ -1,5 +1,13 @@
-"""One forward step: the plan the scheduler sends to every rank, and rank 0's answer (each rank
-builds a `braid.layers.forward_batch.ForwardBatch` from the plan)."""
+"""The wire types between braid's processes, named by what they carry:
+
+- `StepPlan`: one forward step, from the driver's scheduler to every rank (each builds a
+  `braid.layers.forward_batch.ForwardBatch` from it);
+- `StepResult`: rank 0's answer (sampled tokens, logprobs, the path the step took);
+- `CompileStatus`: each rank's answer to "ready";
+- `SequenceDelta`: what a step did for one sequence, from the engine core to the front ends
+  (`braid.frontend`, the server's API process).
+
+This module is the floor: it imports nothing of braid, so every process may read it."""
 
 from __future__ import annotations
 
@@ -8,7 +16,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from braid.engine.request import TokenLogprob
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's logprob, the `top` alternatives (token id, logprob), most likely first, and
+    the logprobs of the tokens a request named (`scored`, in its order)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    scored: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -106,3 +123,36 @@ class StepResult:
 # compiled pieces between eager attention calls, or eager; "+overlap" where two micro-batches
 # were interleaved.
 STEP_PATHS = ("graph", "pieces", "eager", "pieces+overlap", "eager+overlap")
+
+
+@dataclass
+class SequenceDelta:
+    """What one step did for one sequence: new tokens (with logprobs if asked), or the end.
+
+    `finish_reason` is "stop" (EOS, a stop token, a stop string or a complete grammar),
+    "length", "abort" or "error" (then `error` says why); `stop_reason` is the stop token id or
+    string; `by_stop_token`: the last new token is the EOS or stop token that ended the
+    sequence (not part of the text).
+    `prompt_logprobs` arrive once, with the first generated token.
+    """
+
+    request_id: str
+    index: int
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    by_stop_token: bool = False
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class CompileStatus:
+    """A rank's answer to "ready": why its steps cannot be compiled (None: they can), and
+    whether its decode graphs are saved (a warm start loads them in seconds)."""
+
+    not_compiled: str | None
+    cached: bool
