@@ -15,9 +15,9 @@ import torch
 
 from braid.config import default_model_path
 from braid.engine.grammar import JSON_OPTIONS
-from braid.engine.sampler import apply_grammar_mask
-from braid.engine.tokenizer import load_tokenizer
 from braid.loader.model_config import load_model_config
+from braid.loader.tokenizer import load_tokenizer
+from braid.worker.sampler import apply_grammar_mask
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "tags", "address"], "properties": {

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from braid.config import EngineConfig, ModelConfig
+from braid.config import EngineConfig
 from braid.engine.core import EngineCore
 from braid.engine.kv_cache import num_kv_blocks
 from braid.engine.request import Request, SamplingParams
+from braid.loader.model_config import ModelConfig
 from braid.step import StepPlan, StepResult
 from braid.worker.sampler import postprocess
 

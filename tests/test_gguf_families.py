@@ -16,12 +16,11 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_writer import write_gguf
 from safetensors.torch import load_file
 
-from braid.config import ModelConfig
 from braid.engine.request import SamplingParams
 from braid.errors import UserError
 from braid.frontend.llm import LLM
 from braid.loader.gguf import gguf_config, iterate_gguf
-from braid.loader.model_config import load_model_config
+from braid.loader.model_config import ModelConfig, load_model_config
 from braid.models.config_fields import check_config_fields
 
 # Exactly representable in float32, as GGUF stores it, so configs compare equal.

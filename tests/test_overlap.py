@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from braid.config import switch_options
+from braid.engine.step_choice import switch_options
 from braid.overlap.operations import (
     YIELD,
     StateError,

@@ -13,10 +13,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from braid.config import DTYPES, EngineConfig, ModelConfig
+from braid.config import DTYPES, EngineConfig
 from braid.distributed.ranks.local import LocalRankGroup
 from braid.errors import UserError
-from braid.loader.model_config import load_model_config
+from braid.loader.model_config import ModelConfig, load_model_config
 from braid.platform import usable_cores
 
 

@@ -22,7 +22,8 @@ from braid.bench.harness import (
     random_prompts,
     timed,
 )
-from braid.config import EngineConfig, ModelConfig
+from braid.config import EngineConfig
+from braid.loader.model_config import ModelConfig
 
 
 def measure_exposed(engine: EngineConfig, bench: OneBatch, workload: BraidWorkload,

@@ -17,7 +17,7 @@ from itertools import count
 import numpy as np
 import torch
 
-from braid.config import EngineConfig, ModelConfig, switch_options
+from braid.config import EngineConfig
 from braid.distributed.ranks.torchrun import ranks_span_hosts
 from braid.engine.executor import Executor
 from braid.engine.grammar import Grammars
@@ -27,8 +27,9 @@ from braid.engine.request import Request, SamplingParams, Sequence, check_reques
 from braid.engine.scheduler import Scheduler
 from braid.engine.speculation import NgramProposer, Speculator
 from braid.engine.stats import EngineStats
-from braid.engine.step_choice import Setting, StepChooser, describe, step_bucket
+from braid.engine.step_choice import Setting, StepChooser, describe, step_bucket, switch_options
 from braid.errors import UserError, request_failure
+from braid.loader.model_config import ModelConfig
 from braid.loader.tokenizer import eos_token_ids, load_tokenizer
 from braid.models.registry import model_class
 from braid.step import SequenceDelta, StepPlan, StepResult

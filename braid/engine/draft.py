@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from braid.config import EngineConfig, ModelConfig
+from braid.config import EngineConfig
 from braid.distributed.comm import SkipCommunicator
 from braid.engine.executor import MODEL_RUNNER
 from braid.engine.kv_cache import BlockManager
 from braid.engine.plan import slot_mapping
 from braid.engine.request import Sequence
 from braid.errors import UserError
-from braid.loader.model_config import load_model_config
+from braid.loader.model_config import ModelConfig, load_model_config
 from braid.spawn import resolve
 from braid.step import StepPlan
 

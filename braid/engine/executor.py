@@ -15,9 +15,10 @@ from typing import Protocol
 import numpy as np
 
 from braid import native
-from braid.config import EngineConfig, ModelConfig
+from braid.config import EngineConfig
 from braid.distributed.ranks import check_not_bootstrapping, launch_ranks
 from braid.distributed.shm import ShmSegment, activation_slot_bytes
+from braid.loader.model_config import ModelConfig
 from braid.loader.weight_cache import prepare_gguf_weights
 from braid.models.registry import model_class
 from braid.step import CompileStatus, StepPlan, StepResult

@@ -7,9 +7,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from braid.config import ModelConfig
 from braid.engine.grammar import StructuredOutputs
 from braid.errors import UserError
+from braid.loader.model_config import ModelConfig
 from braid.step import TokenLogprob
 
 # Most alternatives per token that `logprobs` may ask for (OpenAI's limit for top_logprobs).

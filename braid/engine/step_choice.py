@@ -39,6 +39,21 @@ RECHECK_STEPS = 2000
 Setting = tuple[tuple[str, object], ...]
 
 
+def switch_options(mode: str, num_tokens: int, min_tokens: int | None,
+                   applies: bool) -> tuple[bool, ...]:
+    """The values a per-step optimisation may take for a step of `num_tokens`: `on`, `off`, or
+    for `auto` where it `applies` (several ranks), from `min_tokens` tokens per step where that
+    threshold is given, else both, for the engine to learn which is faster
+    (`braid.engine.step_choice`)."""
+    if mode != "auto":
+        return (mode == "on",)
+    if not applies:
+        return (False,)
+    if min_tokens is not None:
+        return (num_tokens >= min_tokens,)
+    return (False, True)
+
+
 def describe(setting: Setting) -> str:
     """`overlap=on compression=int8`."""
     names = {True: "on", False: "off"}

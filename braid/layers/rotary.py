@@ -8,9 +8,9 @@ import math
 import torch
 from torch import nn
 
-from braid.config import rope_kind
 from braid.errors import UserError
 from braid.layers.fused import rotate
+from braid.loader.model_config import rope_kind
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

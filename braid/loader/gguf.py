@@ -18,7 +18,6 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, Keys, TokenType
 from gguf.quants import dequantize
 
-from braid.config import ModelConfig
 from braid.loader.gguf_families import (
     ROPE_FACTOR_TENSORS,
     Family,
@@ -27,6 +26,7 @@ from braid.loader.gguf_families import (
     family_of,
     tensor_names,
 )
+from braid.loader.model_config import ModelConfig
 from braid.loader.weights import LazyWeight
 
 _NAME_RE = re.compile(r"^(.+)\.(weight|bias)$")

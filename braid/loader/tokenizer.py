@@ -8,8 +8,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 from braid.cache import cached
-from braid.config import ModelConfig
 from braid.errors import UserError
+from braid.loader.model_config import ModelConfig
 
 
 def load_tokenizer(model: str, use_cache: bool = True):

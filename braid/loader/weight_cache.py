@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from braid.cache import cached, find_entry
-from braid.config import ModelConfig
+from braid.loader.model_config import ModelConfig
 from braid.loader.weights import LazyWeight, with_progress
 
 WEIGHTS_FILE = "model.safetensors"

@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from braid.config import ModelConfig
 from braid.distributed.comm import Communicator
 from braid.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from braid.layers.forward_batch import ForwardBatch
 from braid.layers.norm import RMSNorm
+from braid.loader.model_config import ModelConfig
 from braid.loader.weights import LazyWeight
 from braid.overlap.operations import State, between_pieces
 

@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from braid.config import rope_kind
 from braid.errors import UserError
+from braid.loader.model_config import rope_kind
 
 IMPLEMENTED, NO_EFFECT, NEUTRAL = "implemented", "no effect", "neutral only"
 

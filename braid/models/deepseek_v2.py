@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from braid.config import ModelConfig, rope_kind
 from braid.distributed.comm import Communicator, Pending
 from braid.errors import UserError
 from braid.layers.forward_batch import ForwardBatch
@@ -32,6 +31,7 @@ from braid.layers.moe import RoutedExperts, RouterConfig, TopKRouter, expert_che
 from braid.layers.norm import RMSNorm
 from braid.layers.partition import split_range
 from braid.layers.rotary import RotaryEmbedding, yarn_mscale
+from braid.loader.model_config import ModelConfig, rope_kind
 from braid.models.common import CausalLM, DecoderLayer, DecoderModel
 from braid.overlap.operations import YIELD, State
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from braid.config import ModelConfig, rope_kind
 from braid.distributed.comm import Communicator
 from braid.layers.forward_batch import ForwardBatch
 from braid.layers.mlp import GatedMLP
 from braid.layers.norm import OffsetRMSNorm
 from braid.layers.rotary import RotaryEmbedding
+from braid.loader.model_config import ModelConfig, rope_kind
 from braid.models.common import DecoderModel
 from braid.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from braid.overlap.operations import YIELD, State

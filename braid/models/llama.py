@@ -10,7 +10,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from braid.config import ModelConfig
 from braid.distributed.comm import Communicator
 from braid.layers.attention import PagedAttention
 from braid.layers.forward_batch import ForwardBatch
@@ -19,6 +18,7 @@ from braid.layers.mlp import GATE_UP_STACKED, GatedMLP
 from braid.layers.norm import RMSNorm
 from braid.layers.partition import partition_heads, split_sizes
 from braid.layers.rotary import RotaryEmbedding
+from braid.loader.model_config import ModelConfig
 from braid.models.common import CausalLM, DecoderLayer, DecoderModel
 from braid.overlap.operations import YIELD, State, between_pieces
 

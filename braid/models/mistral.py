@@ -8,9 +8,9 @@ import re
 import torch
 from torch import nn
 
-from braid.config import ModelConfig
 from braid.distributed.comm import Communicator
 from braid.layers.moe import RouterConfig, SparseMoE
+from braid.loader.model_config import ModelConfig
 from braid.models.llama import LlamaForCausalLM
 
 

@@ -7,8 +7,8 @@ from collections.abc import Iterable
 
 import torch
 
-from braid.config import ModelConfig, rope_kind
 from braid.layers.rotary import RotaryEmbedding
+from braid.loader.model_config import ModelConfig, rope_kind
 from braid.loader.weights import LazyWeight, RowSlice
 from braid.models.llama import LlamaForCausalLM
 

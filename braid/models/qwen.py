@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from braid.config import ModelConfig
 from braid.distributed.comm import Communicator
 from braid.layers.mlp import GatedMLP
 from braid.layers.moe import RouterConfig, SparseMoE, expert_checkpoint_param
+from braid.loader.model_config import ModelConfig
 from braid.models.llama import LlamaForCausalLM, per_head_rms_norm
 
 

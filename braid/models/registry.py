@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from braid.config import ModelConfig
 from braid.errors import UserError
+from braid.loader.model_config import ModelConfig
 from braid.models.config_fields import check_config_fields
 from braid.models.deepseek_v2 import DeepseekV2ForCausalLM
 from braid.models.gemma3 import Gemma3ForCausalLM

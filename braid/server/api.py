@@ -20,9 +20,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from braid.config import ModelConfig
 from braid.engine.request import SamplingParams, check_request
 from braid.errors import UserError
+from braid.loader.model_config import ModelConfig
 from braid.server.async_engine import AsyncEngine, EngineDead
 from braid.server.chat_tools import ToolOutput
 from braid.server.generation import PromptRun, close, generate, make_runs, submit

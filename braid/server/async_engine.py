@@ -16,10 +16,11 @@ import threading
 from collections.abc import Callable
 
 from braid import spawn
-from braid.config import EngineConfig, ModelConfig
+from braid.config import EngineConfig
 from braid.engine.request import Request
 from braid.engine.stats import EngineStats
 from braid.errors import UserError
+from braid.loader.model_config import ModelConfig
 from braid.step import SequenceDelta
 
 # The engine process's entry point, by name: this process never imports the engine's code

@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from braid.config import EngineConfig, ModelConfig
+from braid.config import EngineConfig
 from braid.distributed.comm import SwitchableCommunicator
 from braid.engine.kv_cache import num_kv_blocks
 from braid.layers.forward_batch import ForwardBatch
 from braid.layers.fused import configure_compile
 from braid.layers.quant import PACKED_MAX_ROWS, pack_linear_layers, quantize_linear_layers
+from braid.loader.model_config import ModelConfig
 from braid.loader.weights import load_weights, with_progress
 from braid.models.registry import model_class
 from braid.overlap.operations import execute, execute_overlapped

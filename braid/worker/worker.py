@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from multiprocessing.connection import Connection
 
-from braid.config import EngineConfig, ModelConfig
+from braid.config import EngineConfig
 from braid.distributed.comm import SwitchableCommunicator, TorchCommunicator
 from braid.distributed.shm import ShmCommunicator, ShmSegment
+from braid.loader.model_config import ModelConfig
 from braid.trace import enable_tracing
 from braid.worker.compiled_step import configure_compiler
 from braid.worker.model_runner import ModelRunner
