@@ -70,6 +70,19 @@ class PromptLogprobRows:
     num_logprobs: np.ndarray  # [P] top alternatives to report
 
 
+@dataclass(frozen=True)
+class StepMode:
+    """How the ranks run one step, as the driver decided it from the per-step switches
+    (`braid.config.StepSwitches`) and, where they are `auto`, from what it learned
+    (`braid.engine.step_choice`)."""
+
+    overlap: bool = False  # as two overlapped micro-batches
+    dp_linear: bool = False  # replicated projections split over tokens (DataParallelLinear)
+    comm_compression: str = "none"  # how partial sums travel (`braid.distributed.compression`)
+    skip_comm: bool = False  # collectives as no-ops (timing only)
+    choice: str = ""  # why, where `auto` chose (for the trace)
+
+
 @dataclass
 class StepPlan:
     """One forward step, decided by the scheduler and sent to every rank.
@@ -92,11 +105,7 @@ class StepPlan:
     prompt_logprobs: PromptLogprobRows | None = None
     step_id: int = 0  # rank 0's answer carries it back
     return_logits: bool = False  # send the fp32 logits of the logit rows back (validation)
-    overlap: bool = False  # run as two overlapped micro-batches (the driver decides)
-    skip_comm: bool = False  # collectives as no-ops for this step (timing only)
-    dp_linear: bool = False  # replicated projections split over tokens (DataParallelLinear)
-    comm_compression: str = "none"  # how partial sums travel (`braid.distributed.compression`)
-    choice: str = ""  # why the switches above are set so, where `auto` chose (for the trace)
+    mode: StepMode = field(default_factory=StepMode)
 
     @property
     def num_tokens(self) -> int:

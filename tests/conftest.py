@@ -83,7 +83,7 @@ def runner(model_path):
     from braid.loader.model_config import load_model_config
     from braid.worker.model_runner import ModelRunner
 
-    engine = EngineConfig(model=model_path, dtype="fp32", max_total_tokens=4096)
+    engine = EngineConfig.create(model=model_path, dtype="fp32", max_total_tokens=4096)
     return ModelRunner(engine, load_model_config(model_path), SkipCommunicator(0, 1))
 
 

@@ -8,7 +8,6 @@ import torch
 
 from braid.config import EngineConfig
 from braid.engine.core import EngineCore
-from braid.engine.kv_cache import num_kv_blocks
 from braid.engine.request import Request, SamplingParams
 from braid.loader.model_config import ModelConfig
 from braid.step import StepPlan, StepResult
@@ -43,9 +42,9 @@ class FakeRunner:
     """
 
     def __init__(self, config: EngineConfig, nan_tokens: tuple[int, ...] = ()) -> None:
-        self.block_size = config.block_size
-        self.cache = np.full(num_kv_blocks(config.max_total_tokens, config.block_size)
-                             * config.block_size, -1, dtype=np.int64)
+        self.block_size = config.kv_cache.block_size
+        self.cache = np.full(config.kv_cache.num_blocks
+                             * config.kv_cache.block_size, -1, dtype=np.int64)
         self.nan_tokens = nan_tokens
         self.plans: list[StepPlan] = []
         self.generator = torch.Generator().manual_seed(0)
@@ -91,7 +90,7 @@ def fake_next_token(context: np.ndarray) -> int:
 
 def fake_core(nan_tokens: tuple[int, ...] = (), **engine_args) -> tuple[EngineCore, FakeRunner]:
     """An engine core over `FakeRunner` (context 4096 tokens)."""
-    config = EngineConfig(model="fake", dtype="fp32", **engine_args)
+    config = EngineConfig.create(model="fake", dtype="fp32", **engine_args)
     model = ModelConfig("LlamaForCausalLM", FAKE_VOCAB, 8, 8, 1, 1, 1, 8, 1e-6, 1e4, 4096, False,
                         eos_token_ids=(FAKE_EOS,))
     runner = FakeRunner(config, nan_tokens)

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from server_utils import free_port
 
-from braid.bench.datasets import sample_requests
+from braid.bench.datasets import Dataset, sample_requests
 from braid.bench.serving import ServingConfig, run_bench_serving
 from braid.errors import UserError
 from braid.eval.mmlu import format_example, load_questions, subject_header
@@ -89,10 +89,11 @@ def stub_server(model_path):
 def test_bench_serving_counts_failed_requests_and_uses_sglangs_keys(stub_server, tmp_path,
                                                                     capsys):
     out = tmp_path / "stub.jsonl"
+    dataset = Dataset(num_prompts=9, random_input_len=12, random_output_len=5,
+                      random_range_ratio=1.0)
     row = run_bench_serving(ServingConfig(
-        base_url=stub_server, num_prompts=9, random_input_len=12, random_output_len=5,
-        random_range_ratio=1.0, max_concurrency=2, warmup_requests=0, output_file=str(out),
-        disable_tqdm=True, tag="stub", plot=str(tmp_path / "run.png")))
+        base_url=stub_server, dataset=dataset, max_concurrency=2, warmup_requests=0,
+        output_file=str(out), disable_tqdm=True, tag="stub", plot=str(tmp_path / "run.png")))
     captured = capsys.readouterr()
     assert row["completed"] == 6 and row["failed"] == 3
     assert "3 of 9 requests failed" in captured.err and "stub failure" in captured.err
@@ -104,11 +105,14 @@ def test_bench_serving_counts_failed_requests_and_uses_sglangs_keys(stub_server,
 
 
 def test_copy_edit_asks_to_rename_a_name_of_its_snippet_within_the_lengths(tokenizer):
-    lens = {"input_len": 400, "output_len": 300, "range_ratio": 0.5}
-    requests = sample_requests("copy-edit", 16, tokenizer, seed=7, **lens)
+    def dataset(seed: int) -> Dataset:
+        return Dataset("copy-edit", num_prompts=16, random_input_len=400,
+                       random_output_len=300, random_range_ratio=0.5, seed=seed)
+
+    requests = sample_requests(dataset(7), tokenizer)
     assert len(requests) == 16
-    assert requests == sample_requests("copy-edit", 16, tokenizer, seed=7, **lens)
-    assert requests != sample_requests("copy-edit", 16, tokenizer, seed=8, **lens)
+    assert requests == sample_requests(dataset(7), tokenizer)
+    assert requests != sample_requests(dataset(8), tokenizer)
     # the text after the user's turn, so that the snippet is what lies before it
     suffix = tokenizer.decode(apply_chat_template(tokenizer, "MARK")).split("MARK")[1]
     kinds = set()
@@ -126,7 +130,7 @@ def test_copy_edit_asks_to_rename_a_name_of_its_snippet_within_the_lengths(token
         assert request.output_len <= len(tokenizer.encode(answer, add_special_tokens=False))
     assert kinds == {"rename", "replace the word"}
     with pytest.raises(UserError, match="--random-input-len of at least"):
-        sample_requests("copy-edit", 1, tokenizer, input_len=20)
+        sample_requests(Dataset("copy-edit", num_prompts=1, random_input_len=20), tokenizer)
 
 
 def test_mmlu_prompt_is_the_original_format(tmp_path):

@@ -173,7 +173,7 @@ def test_bench_one_batch_says_how_to_get_llama_cpp(monkeypatch):
 
     monkeypatch.setattr(llama_cpp.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match="needs llama-cpp-python: run `make bench-deps`"):
-        llama_cpp.LlamaCppWorkload(EngineConfig(model=__file__), 1, 32)
+        llama_cpp.LlamaCppWorkload(EngineConfig.create(model=__file__), 1, 32)
 
 
 def test_torchrun_launch_matches_spawned_ranks():

@@ -43,7 +43,7 @@ def check_logits(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> Non
 
 
 def greedy(llm: LLM, overlap: str) -> list[list[int]]:
-    llm.policy.overlap = overlap
+    llm.switch(overlap=overlap)
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     return [out.token_ids for out in llm.generate(PROMPTS, params)]
 
@@ -61,7 +61,7 @@ def test_compiled_steps_match_transformers_with_and_without_overlap(tp, comm, ti
         assert greedy(llm, "off") == ref_greedy
         paths = {"off": dict(llm.core.steps_by_path)}
         if tp > 1:
-            llm.policy.overlap = "on"
+            llm.switch(overlap="on")
             check_logits(llm.prompt_logits(PROMPTS), ref_logits)
             assert greedy(llm, "on") == ref_greedy
         paths["all"] = dict(llm.core.steps_by_path)

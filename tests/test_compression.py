@@ -94,4 +94,4 @@ def test_overlap_with_compressed_sums_is_refused():
     from braid.errors import UserError
 
     with pytest.raises(UserError, match="--overlap on with --comm-compression"):
-        EngineConfig(model="m", tp=2, comm="torch", overlap="on", comm_compression="int8")
+        EngineConfig.create(model="m", tp=2, comm="torch", overlap="on", comm_compression="int8")

@@ -56,7 +56,7 @@ def deepseek_reference(deepseek_folders, deepseek_prompts):
 
 def greedy(llm: LLM, prompts, steps: int = 8, **settings) -> list[list[int]]:
     for name, value in settings.items():
-        setattr(llm.policy, name, value)
+        llm.switch(**{name: value})
     params = SamplingParams(max_new_tokens=steps, temperature=0, ignore_eos=True)
     return [out.token_ids for out in llm.generate(prompts, params)]
 
@@ -84,7 +84,7 @@ def test_deepseek_matches_transformers(arch, tp, comm, deepseek_folders, deepsee
             prompt = [rng.integers(0, 49152, count).tolist()]
             off = greedy(llm, prompt, dp_linear="off")
             assert greedy(llm, prompt, dp_linear="on") == off, f"{count} tokens"
-        llm.policy.dp_linear = "on"
+        llm.switch(dp_linear="on")
         check_logits(llm.prompt_logits(deepseek_prompts), ref_logits)
 
         # Two-batch overlap, with and without the DP linear's all-gather in the stages.
@@ -96,7 +96,7 @@ def test_deepseek_matches_transformers(arch, tp, comm, deepseek_folders, deepsee
 @pytest.fixture(scope="module")
 def v3_runner(deepseek_folders):
     folder = deepseek_folders["deepseek_v3"]
-    engine = EngineConfig(model=folder, dtype="fp32", max_total_tokens=4096)
+    engine = EngineConfig.create(model=folder, dtype="fp32", max_total_tokens=4096)
     return ModelRunner(engine, load_model_config(folder), SkipCommunicator(0, 1))
 
 
@@ -129,8 +129,8 @@ def test_absorbed_attention_equals_expanded(v3_runner, deepseek_prompts):
     """Decode steps (absorbed by default) and chunked prefill with a cached prefix (expanded by
     default), each run both ways on the same plan; rerunning a step rewrites the same cache
     slots with the same latents."""
-    config = EngineConfig(model=v3_runner.engine.model, dtype="fp32", max_total_tokens=4096,
-                          max_num_batched_tokens=16)
+    config = EngineConfig.create(model=v3_runner.engine.model, dtype="fp32", max_total_tokens=4096,
+                                 max_num_batched_tokens=16)
     executor = BothAttentionModes(v3_runner)
     params = SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=4)
     run_requests(EngineCore(config, v3_runner.config, executor), deepseek_prompts, params)
@@ -145,8 +145,8 @@ def test_prefix_cache_shares_latent_blocks(v3_runner, deepseek_prompts):
     params = SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=6)
     outputs = {}
     for caching in (False, True):
-        config = EngineConfig(model=v3_runner.engine.model, dtype="fp32", max_total_tokens=4096,
-                              prefix_caching=caching)
+        config = EngineConfig.create(model=v3_runner.engine.model, dtype="fp32",
+                                     max_total_tokens=4096, prefix_caching=caching)
         core = EngineCore(config, v3_runner.config, RunnerExecutor(v3_runner))
         outputs[caching] = [run_requests(core, [p], params)[0] for p in prompts]
         hits = core.scheduler.prefix_hits

@@ -23,8 +23,8 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
 def make_core(runner, **engine_args) -> EngineCore:
     """A fresh engine core (its own scheduler and prefix cache) over the shared runner."""
-    config = EngineConfig(model=runner.engine.model, dtype="fp32",
-                          **{"max_total_tokens": 4096, **engine_args})
+    config = EngineConfig.create(model=runner.engine.model, dtype="fp32",
+                                 **{"max_total_tokens": 4096, **engine_args})
     return EngineCore(config, runner.config, RunnerExecutor(runner))
 
 
@@ -274,7 +274,8 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits():
 @pytest.fixture(scope="module")
 def bf16_runner(model_path):
     # eager elementwise ops: the attention is what differs, the compile would take 15 s
-    engine = EngineConfig(model=model_path, dtype="bf16", compile="off", max_total_tokens=4096)
+    engine = EngineConfig.create(model=model_path, dtype="bf16", compile="off",
+                                 max_total_tokens=4096)
     return ModelRunner(engine, load_model_config(model_path), SkipCommunicator(0, 1))
 
 
@@ -295,7 +296,7 @@ def test_the_prefill_kernel_is_as_close_to_fp32_as_the_path_it_replaces(
     prompts = ([text[:300], text[50:350]] if lengths == "equal"
                else [text[:300], text[7:144]])
     exact = make_core(runner).prompt_logits(prompts)
-    config = EngineConfig(model=runner.engine.model, dtype="bf16", max_total_tokens=4096)
+    config = EngineConfig.create(model=runner.engine.model, dtype="bf16", max_total_tokens=4096)
     core = EngineCore(config, bf16_runner.config, RunnerExecutor(bf16_runner))
     layers = list(bf16_runner.model.attention_layers())
     assert all(attn.use_prefill_kernel for attn in layers)
@@ -326,8 +327,8 @@ def test_a_chunk_whose_keys_fit_one_block_prefills_through_the_kernel(bf16_runne
     prompt = sum(prompt_ids, [])[:14]
 
     def greedy(budget: int) -> list[int]:
-        config = EngineConfig(model=bf16_runner.engine.model, dtype="bf16",
-                              max_total_tokens=4096, max_num_batched_tokens=budget)
+        config = EngineConfig.create(model=bf16_runner.engine.model, dtype="bf16",
+                                     max_total_tokens=4096, max_num_batched_tokens=budget)
         core = EngineCore(config, bf16_runner.config, RunnerExecutor(bf16_runner))
         return run_requests(core, [prompt], GREEDY, eos=2)[0]
 

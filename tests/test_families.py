@@ -91,7 +91,7 @@ def test_families_match_transformers(arch, tp, comm, family, family_prompts):
     with LLM(folder, tp=tp, dtype="fp32", comm=comm,
              max_num_batched_tokens=STEP_TOKENS) as llm:
         for overlap in ("off", "on") if tp > 1 else ("off",):
-            llm.policy.overlap = overlap
+            llm.switch(overlap=overlap)
             check_logits(llm.prompt_logits(family_prompts), ref_logits)
             fresh = [out.token_ids for out in llm.generate(family_prompts, GREEDY)]
             # Again: the prompts' full blocks now come from the prefix cache.

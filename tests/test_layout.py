@@ -19,7 +19,8 @@ FORBIDDEN = {
     "braid.errors": ["braid."],
     "braid.platform": ["braid."],
     "braid.spawn": ["braid."],
-    "braid.config": ["braid.", "!braid.errors", "!braid.platform"],
+    "braid.settings": ["braid.", "!braid.errors"],
+    "braid.config": ["braid.", "!braid.errors", "!braid.platform", "!braid.settings"],
     # below the worker
     "braid.layers": ["braid.engine", "braid.worker", "braid.server", "braid.frontend",
                      "braid.bench", "braid.eval", "braid.cli", "braid.models"],
@@ -59,7 +60,7 @@ def imports_of(path: Path) -> dict[str, int]:
         else:
             continue
         for name in names:
-            if name.startswith("braid"):
+            if name.startswith("braid."):  # (`from braid import x` is also braid.x)
                 found.setdefault(name, node.lineno)
     return found
 

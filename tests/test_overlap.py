@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from braid.config import StepSwitches
 from braid.engine.step_choice import switch_options
 from braid.overlap.operations import (
     YIELD,
@@ -15,6 +16,9 @@ from braid.overlap.operations import (
 )
 from braid.step import StepPlan
 from braid.worker.split import split_step
+
+# the default of --tbo-token-distribution-threshold
+THRESHOLD = StepSwitches().tbo_token_distribution_threshold
 
 BLOCK = 16
 
@@ -38,7 +42,7 @@ def tokens_of(plan: StepPlan) -> list[int]:
 
 def test_prefill_cut_at_the_balancing_sequence_boundary():
     plan = make_plan([100, 90, 110, 95])
-    parts = split_step(plan)
+    parts = split_step(plan, THRESHOLD)
     assert parts.a.q_lens.tolist() == [100, 90] and parts.b.q_lens.tolist() == [110, 95]
     assert not parts.a_ends_mid_sequence
     assert tokens_of(parts.a) + tokens_of(parts.b) == tokens_of(plan)
@@ -49,7 +53,7 @@ def test_prefill_cut_at_the_balancing_sequence_boundary():
 def test_unbalanced_prefill_cuts_one_sequence_in_two():
     # Best boundary leaves 10 of 310 tokens on one side: cut the long prompt instead.
     plan = make_plan([300, 10])
-    parts = split_step(plan)
+    parts = split_step(plan, THRESHOLD)
     assert parts.a_ends_mid_sequence
     assert parts.a.q_lens.tolist() == [155] and parts.a.kv_lens.tolist() == [155]
     assert parts.b.q_lens.tolist() == [145, 10] and parts.b.kv_lens.tolist() == [300, 10]
@@ -63,7 +67,7 @@ def test_unbalanced_prefill_cuts_one_sequence_in_two():
 
 def test_two_chunk_split_of_a_single_prompt_with_a_cached_prefix():
     plan = make_plan([64], cached=[32])
-    parts = split_step(plan)
+    parts = split_step(plan, THRESHOLD)
     assert parts.a.q_lens.tolist() == [32] and parts.a.kv_lens.tolist() == [64]
     assert parts.b.q_lens.tolist() == [32] and parts.b.kv_lens.tolist() == [96]
     assert parts.a.positions.tolist() == list(range(32, 64))
@@ -78,18 +82,19 @@ def test_threshold_flag_changes_the_choice():
 
 def test_decode_splits_sequences_in_half():
     plan = make_plan([1] * 7, cached=[5, 9, 30, 2, 17, 8, 40])
-    parts = split_step(plan)
+    parts = split_step(plan, THRESHOLD)
     assert parts.a.q_lens.tolist() == [1, 1, 1] and parts.b.q_lens.tolist() == [1] * 4
     assert parts.a.kv_lens.tolist() == [6, 10, 31]
     assert not parts.a_ends_mid_sequence
 
 
 def test_tiny_batches_run_unsplit():
-    assert split_step(make_plan([1])) is None  # one token
-    assert split_step(make_plan([1], cached=[50])) is None  # one decoding sequence
-    parts = split_step(make_plan([2]))  # the smallest prompt that can be cut
+    assert split_step(make_plan([1]), THRESHOLD) is None  # one token
+    assert split_step(make_plan([1], cached=[50]), THRESHOLD) is None  # one decoding seq
+    parts = split_step(make_plan([2]), THRESHOLD)  # the smallest prompt that can be cut
     assert parts.a.q_lens.tolist() == [1] and parts.b.q_lens.tolist() == [1]
-    parts = split_step(make_plan([1, 2]))  # middle token starts a sequence: plain cut
+    # the middle token starts a sequence: a plain cut
+    parts = split_step(make_plan([1, 2]), THRESHOLD)
     assert parts.a.q_lens.tolist() == [1] and parts.b.q_lens.tolist() == [2]
     assert not parts.a_ends_mid_sequence
 

@@ -7,18 +7,22 @@ import torch
 from conftest import slow
 
 from braid import LLM, SamplingParams
+from braid.config import KVCacheConfig, StepSwitches
 from braid.worker.split import split_step
+
+# the default of --tbo-token-distribution-threshold
+THRESHOLD = StepSwitches().tbo_token_distribution_threshold
 
 TOLERANCE = 2e-3
 
 
 def logits_with(llm: LLM, overlap: str, prompts) -> list[torch.Tensor]:
-    llm.policy.overlap = overlap
+    llm.switch(overlap=overlap)
     return llm.prompt_logits(prompts)
 
 
 def greedy_with(llm: LLM, overlap: str, prompts) -> list[list[int]]:
-    llm.policy.overlap = overlap
+    llm.switch(overlap=overlap)
     params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
     return [out.token_ids for out in llm.generate(prompts, params)]
 
@@ -48,14 +52,15 @@ def test_the_cases_really_split(prompt_ids):
     from braid.engine.scheduler import Scheduler
 
     def plan_for(prompts):
-        scheduler = Scheduler(BlockManager(4096, 16), 8192, 64, 8192)
+        scheduler = Scheduler(BlockManager(KVCacheConfig(4096, 16)), 8192, 64, 8192)
         for i, p in enumerate(prompts):
             scheduler.add(Sequence(i, str(i), 0, list(p), SamplingParams(temperature=0)))
         return build_plan(scheduler.schedule(), 16, 0)[0]
 
-    assert split_step(plan_for(prompt_ids)).a_ends_mid_sequence
-    assert not split_step(plan_for([prompt_ids[2], prompt_ids[2][::-1]])).a_ends_mid_sequence
-    assert split_step(plan_for([prompt_ids[3]])).a_ends_mid_sequence
+    assert split_step(plan_for(prompt_ids), THRESHOLD).a_ends_mid_sequence
+    assert not split_step(plan_for([prompt_ids[2], prompt_ids[2][::-1]]),
+                          THRESHOLD).a_ends_mid_sequence
+    assert split_step(plan_for([prompt_ids[3]]), THRESHOLD).a_ends_mid_sequence
 
 
 def test_overlap_splits_mixed_steps_without_changing_tokens(model_path, prompt_ids):

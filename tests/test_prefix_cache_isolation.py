@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from engine_utils import fake_core, run_requests
 
+from braid.config import KVCacheConfig
 from braid.engine import kv_cache
 from braid.engine.kv_cache import BlockManager
 from braid.engine.request import Request, SamplingParams, Sequence
@@ -42,7 +43,7 @@ def colliding(monkeypatch):
 
 
 def test_a_colliding_key_never_serves_another_prompts_block(colliding):
-    blocks = BlockManager(1024, BS)
+    blocks = BlockManager(KVCacheConfig(1024, BS))
     first, second = tokens(2 * BS), tokens(2 * BS)
     a, _ = prefill(blocks, first + [1])
     b = Sequence(next(_ids), "r", 0, second + [1], SamplingParams())
@@ -71,7 +72,7 @@ def test_colliding_keys_change_no_engine_output(colliding):
 
 def test_keys_are_salted_per_cache():
     prompt = tokens(3 * BS + 1)
-    one, two = BlockManager(1024, BS), BlockManager(1024, BS)
+    one, two = BlockManager(KVCacheConfig(1024, BS)), BlockManager(KVCacheConfig(1024, BS))
 
     def keys(blocks):
         return blocks.shareable_keys(Sequence(next(_ids), "r", 0, prompt, SamplingParams()))
@@ -81,7 +82,7 @@ def test_keys_are_salted_per_cache():
 
 
 def test_cache_salt_isolates_prompts():
-    blocks = BlockManager(1024, BS)
+    blocks = BlockManager(KVCacheConfig(1024, BS))
     prompt = tokens(3 * BS + 5)
     first, _ = prefill(blocks, prompt, cache_salt="tenant-a")
     for salt in ("tenant-b", None, ""):
@@ -106,7 +107,7 @@ def test_cache_salt_isolates_engine_requests():
 
 
 def test_prompts_with_a_common_prefix_share_its_full_blocks():
-    blocks = BlockManager(1024, BS)
+    blocks = BlockManager(KVCacheConfig(1024, BS))
     prefix = tokens(2 * BS)
     first, matched = prefill(blocks, prefix + tokens(BS + 3))
     assert matched == []

@@ -5,7 +5,6 @@ a crash, where the API key comes from, a completion whose text cannot be made.""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import re
@@ -241,22 +240,19 @@ def test_health_never_shows_the_engines_trace():
 
 
 def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
-    from braid.cli import api_key
     from braid.errors import UserError
-
-    def args(**values) -> argparse.Namespace:
-        return argparse.Namespace(**{"api_key": None, "api_key_file": None, **values})
+    from braid.server.settings import ServeSettings
 
     monkeypatch.delenv("BRAID_API_KEY", raising=False)
-    assert api_key(args()) is None
+    assert ServeSettings().key() is None
     monkeypatch.setenv("BRAID_API_KEY", "from-env")
-    assert api_key(args()) == "from-env"
+    assert ServeSettings().key() == "from-env"
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n# a comment\n")
-    assert api_key(args(api_key_file=str(key_file))) == "from-file"
-    assert api_key(args(api_key="from-flag")) == "from-flag"
+    assert ServeSettings(api_key_file=str(key_file)).key() == "from-file"
+    assert ServeSettings(api_key="from-flag").key() == "from-flag"
     with pytest.raises(UserError, match="not both"):
-        api_key(args(api_key="a", api_key_file=str(key_file)))
+        ServeSettings(api_key="a", api_key_file=str(key_file))
 
 
 def test_a_completion_whose_text_fails_fails_alone():

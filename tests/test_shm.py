@@ -202,9 +202,9 @@ def test_braid_on_a_small_tmpfs_says_what_to_do(tmp_path):
 def test_shm_is_refused_where_stores_are_not_totally_ordered(monkeypatch):
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     assert resolve_comm() == "torch"
-    assert EngineConfig(model="m.gguf", tp=2).comm == "torch"
+    assert EngineConfig.create(model="m.gguf", tp=2).parallel.comm == "torch"
     with pytest.raises(UserError, match="x86 total store order.*--comm torch"):
-        EngineConfig(model="m.gguf", tp=2, comm="shm")
+        EngineConfig.create(model="m.gguf", tp=2, comm="shm")
     with pytest.raises(UserError, match="x86 total store order"):
         ShmSegment.create(2)
 

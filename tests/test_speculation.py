@@ -11,7 +11,7 @@ import pytest
 from conftest import slow
 from engine_utils import RunnerExecutor, fake_core, fake_next_token, run_requests
 
-from braid.config import EngineConfig
+from braid.config import EngineConfig, KVCacheConfig
 from braid.engine.core import EngineCore
 from braid.engine.kv_cache import BlockManager
 from braid.engine.request import SamplingParams, Sequence
@@ -108,7 +108,7 @@ def test_rejected_tokens_give_their_blocks_back():
 
 
 def test_a_draft_takes_no_block_a_later_decode_needs():
-    blocks = BlockManager(num_tokens=16, block_size=4)  # 4 blocks
+    blocks = BlockManager(KVCacheConfig(max_total_tokens=16, block_size=4))  # 4 blocks
     scheduler = Scheduler(blocks, max_num_batched_tokens=64, max_running=8, max_context=64)
     first, second = (Sequence(i, str(i), 0, [1, 2, 3, 4], SamplingParams()) for i in range(2))
     for seq in (first, second):  # each has filled its block: its next token needs another
@@ -213,8 +213,8 @@ def test_the_real_model_decodes_as_without_speculation(runner, tokenizer, prompt
     params = SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True)
 
     def generate(speculative: str, cache_tokens: int) -> tuple[list[list[int]], EngineCore]:
-        config = EngineConfig(model=runner.engine.model, dtype="fp32",
-                              max_total_tokens=cache_tokens, speculative=speculative)
+        config = EngineConfig.create(model=runner.engine.model, dtype="fp32",
+                                     max_total_tokens=cache_tokens, speculative=speculative)
         core = EngineCore(config, runner.config, RunnerExecutor(runner))
         return run_requests(core, prompts, params, eos=2), core
 
@@ -239,9 +239,9 @@ def test_a_draft_model_decodes_as_without_speculation(runner, tokenizer, prompt_
     draft_path = tiny_llama if draft == "tiny" else model_path
 
     def generate(cache_tokens: int, **speculation) -> tuple[list[list[int]], EngineCore]:
-        config = EngineConfig(model=runner.engine.model, dtype="fp32",
-                              max_total_tokens=cache_tokens, speculative_tokens=4,
-                              **speculation)
+        config = EngineConfig.create(model=runner.engine.model, dtype="fp32",
+                                     max_total_tokens=cache_tokens, speculative_tokens=4,
+                                     **speculation)
         core = EngineCore(config, runner.config, RunnerExecutor(runner))
         return run_requests(core, prompts, params, eos=2), core
 
@@ -273,4 +273,4 @@ def test_speculation_flags_are_checked():
                       ({"speculative_tokens": 0}, "--speculative-tokens"),
                       ({"ngram_min": 3, "ngram_max": 2}, "--ngram-min")]:
         with pytest.raises(UserError, match=flag):
-            EngineConfig(model="m", **bad)
+            EngineConfig.create(model="m", **bad)

@@ -34,8 +34,31 @@ from pathlib import Path
 import numpy as np
 
 from braid.errors import UserError
+from braid.settings import check, setting
 
-DATASETS = ["random-ids", "random", "sharegpt", "copy-edit"]
+DATASETS = ("random-ids", "random", "sharegpt", "copy-edit")
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Which requests a benchmark sends (SGLang's flags and defaults)."""
+
+    dataset_name: str = setting(
+        "random-ids", "random-ids: random token ids (no file); random: ShareGPT text cut to the "
+        "drawn lengths; sharegpt: ShareGPT turns as they are; copy-edit: copy braid's own "
+        "source with one rename (no file; for n-gram speculative decoding)", choices=DATASETS)
+    dataset_path: str | None = setting(None, "a ShareGPT JSON file")
+    num_prompts: int = setting(100, "requests to send", at_least=1)
+    random_input_len: int = setting(1024, "prompt length in tokens", at_least=1)
+    random_output_len: int = setting(1024, "tokens to generate per request", at_least=1)
+    random_range_ratio: float = setting(
+        0.0, "lengths are uniform in [len * ratio, len]; 1.0: exactly len", at_least=0)
+    seed: int = setting(1, "the draw's seed: the same seed, the same requests")
+
+    def __post_init__(self) -> None:
+        check(self)
+        if self.random_range_ratio > 1:
+            raise UserError("--random-range-ratio must be in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -56,16 +79,11 @@ def random_lens(full_len: int, range_ratio: float, num: int) -> np.ndarray:
     return np.random.randint(max(int(full_len * range_ratio), 1), full_len + 1, size=num)
 
 
-def sample_requests(name: str, num_prompts: int, tokenizer, *, input_len: int = 1024,
-                    output_len: int = 1024, range_ratio: float = 0.0,
-                    dataset_path: str | None = None, seed: int = 1) -> list[BenchRequest]:
-    """`num_prompts` requests of dataset `name` (see the module docstring)."""
-    if name not in DATASETS:
-        raise UserError(f"--dataset-name must be one of {', '.join(DATASETS)}, got {name!r}")
-    if num_prompts < 1:
-        raise UserError("--num-prompts must be at least 1")
-    if not 0 <= range_ratio <= 1:
-        raise UserError("--random-range-ratio must be in [0, 1]")
+def sample_requests(dataset: Dataset, tokenizer) -> list[BenchRequest]:
+    """The requests `dataset` names (see the module docstring)."""
+    name, num_prompts, seed = dataset.dataset_name, dataset.num_prompts, dataset.seed
+    input_len, output_len = dataset.random_input_len, dataset.random_output_len
+    range_ratio, dataset_path = dataset.random_range_ratio, dataset.dataset_path
     random.seed(seed)
     np.random.seed(seed)
     if name == "sharegpt":

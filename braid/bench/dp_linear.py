@@ -49,9 +49,10 @@ def compare_dp_linear(engine: EngineConfig, bench: OneBatch, workload: BraidWork
     best = fastest_by_mode(workload, prompts, bench.output_len, bench.repeat, "dp_linear", modes)
     bs, tokens = bench.batch_size, bench.batch_size * bench.input_len
     first = modes[0]
-    print(f"\nDP linear: tp={engine.tp} comm={engine.comm} dtype={engine.dtype} batch_size={bs} "
+    print(f"\nDP linear: tp={engine.parallel.tp} comm={engine.parallel.comm} "
+          f"dtype={engine.dtype} batch_size={bs} "
           f"input_len={bench.input_len} output_len={bench.output_len} "
-          f"dp_linear_min_tokens={workload.llm.config.dp_linear_min_tokens} "
+          f"dp_linear_min_tokens={workload.llm.config.switches.dp_linear_min_tokens} "
           f"cores={len(usable_cores())} "
           f"(fastest of {bench.repeat})")
     print(f"{'mode':>5} | {'prefill s':>10} {'tok/s':>9} {'x ' + first:>8} | "

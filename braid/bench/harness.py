@@ -8,33 +8,49 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from braid import settings
 from braid.config import DTYPES, EngineConfig
 from braid.distributed.ranks.local import LocalRankGroup
 from braid.errors import UserError
 from braid.loader.model_config import ModelConfig, load_model_config
 from braid.platform import usable_cores
+from braid.settings import setting
 
 
 @dataclass(frozen=True)
 class OneBatch:
     """What `braid bench-one-batch` runs beside the engine's settings (its own flags)."""
 
-    batch_size: int = 1
-    input_len: int = 1024
-    output_len: int = 16
-    backend: str = "braid"  # braid, hf or llama.cpp
-    result_file: str | None = None
-    warmup: int = 1
-    measure_exposed: bool = False
-    overlap_sweep: bool = False
-    compare_dp_linear: str | None = None
-    sweep_batch_sizes: str = "1,4,16,64"
-    repeat: int = 2
+    batch_size: int = setting(1, "prompts in the batch", at_least=1)
+    input_len: int = setting(1024, "tokens per prompt", at_least=1)
+    output_len: int = setting(16, "tokens to generate per prompt", at_least=1)
+    backend: str = setting(
+        "braid", "hf: the same workload through Hugging Face transformers; llama.cpp: through "
+        "llama.cpp on the same GGUF file (needs `make bench-deps`)",
+        choices=("braid", "hf", "llama.cpp"))
+    result_file: str | None = setting(None, "append one JSONL row here")
+    warmup: int = setting(1, "untimed runs first", at_least=0)
+    measure_exposed: bool = setting(
+        False, "time overlap off and on, each with and without collectives: exposed "
+        "communication and overlap efficiency")
+    overlap_sweep: bool = setting(
+        False, "overlap off/on over --sweep-batch-sizes (prefill of --input-len tokens each, and "
+        "decode); prints the --overlap-min-tokens to set")
+    compare_dp_linear: str | None = setting(
+        None, "time these --dp-linear modes (e.g. off,on) alternately in one launch, --repeat "
+        "rounds; prints each mode's best prefill and median decode and the ratios to the first "
+        "mode", metavar="MODES")
+    sweep_batch_sizes: str = setting("1,4,16,64", "batch sizes of --overlap-sweep")
+    repeat: int = setting(2, "timed runs per sweep point or compared mode (the fastest counts)",
+                          at_least=1)
+
+    def __post_init__(self) -> None:
+        settings.check(self)
 
 
 @dataclass
@@ -100,11 +116,11 @@ class BraidWorkload:
 
         # The whole batch prefills in one step, as in SGLang's bench_one_batch; no prefix
         # cache, so repeated runs of the same prompts compute them again.
-        self.llm = LLM.from_config(replace(
-            engine,
-            max_total_tokens=max(engine.max_total_tokens,
+        self.llm = LLM.from_config(engine.replace(
+            max_total_tokens=max(engine.kv_cache.max_total_tokens,
                                  max_batch * (max_input + max_output + 16)),
-            max_num_batched_tokens=max(engine.max_num_batched_tokens, max_batch * max_input),
+            max_num_batched_tokens=max(engine.scheduler.max_num_batched_tokens,
+                                       max_batch * max_input),
             max_running_requests=max_batch, prefix_caching=False))
         self.llm.core.compile_steps()  # a benchmark measures the steady state
 
@@ -112,10 +128,10 @@ class BraidWorkload:
             skip_comm: bool | None = None, dp_linear: str | None = None) -> BenchResult:
         from braid.engine.request import SamplingParams
 
-        config, policy = self.llm.config, self.llm.policy
-        policy.overlap = overlap or config.overlap
-        policy.skip_comm = config.skip_comm if skip_comm is None else skip_comm
-        policy.dp_linear = dp_linear or config.dp_linear
+        configured = self.llm.config.switches
+        self.llm.switch(overlap=overlap or configured.overlap,
+                        skip_comm=configured.skip_comm if skip_comm is None else skip_comm,
+                        dp_linear=dp_linear or configured.dp_linear)
         params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
         for ids in prompts:
             self.llm.add_request(ids.tolist(), params)
@@ -174,7 +190,7 @@ class HFWorkload(RankWorkload):
     """Batches through Hugging Face transformers' dense model and its own KV cache."""
 
     def __init__(self, engine: EngineConfig) -> None:
-        super().__init__("hf", engine.tp, hf_worker, (engine.model, engine.dtype))
+        super().__init__("hf", engine.parallel.tp, hf_worker, (engine.model, engine.dtype))
 
 
 def hf_worker(rank: int, world_size: int, conn, model: str, dtype: str) -> None:
@@ -219,11 +235,8 @@ def _path(path: str) -> str:
     return f" (steps: {path})" if path else ""
 
 
-def check(engine: EngineConfig, bench: OneBatch) -> ModelConfig:
+def check_run(engine: EngineConfig, bench: OneBatch) -> ModelConfig:
     """Validate the settings; the model's config."""
-    for flag in ("batch_size", "input_len", "output_len"):
-        if getattr(bench, flag) < 1:
-            raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
     config = load_model_config(engine.model)
     if bench.input_len + bench.output_len > config.max_position_embeddings:
         raise UserError(f"--input-len + --output-len exceeds the model's context of "
@@ -268,11 +281,12 @@ def base_row(engine: EngineConfig, bench: OneBatch, **fields) -> dict:
     """The JSONL fields that describe a run's configuration."""
     # llama.cpp computes with the file's own weight types
     dtype = "gguf" if bench.backend == "llama.cpp" else engine.dtype
-    row = {"backend": bench.backend, "model": engine.model, "tp": engine.tp, "dtype": dtype,
-           "comm": engine.comm, "overlap": engine.overlap, "dp_linear": engine.dp_linear,
-           "comm_compression": engine.comm_compression,
-           "skip_comm": engine.skip_comm, "quantization": engine.quantization,
-           "kv_cache_dtype": engine.kv_cache_dtype, "compile": engine.compile,
+    row = {"backend": bench.backend, "model": engine.model, "tp": engine.parallel.tp,
+           "dtype": dtype, "comm": engine.parallel.comm, "overlap": engine.switches.overlap,
+           "dp_linear": engine.switches.dp_linear,
+           "comm_compression": engine.switches.comm_compression,
+           "skip_comm": engine.switches.skip_comm, "quantization": engine.compile.quantization,
+           "kv_cache_dtype": engine.kv_cache.kv_cache_dtype, "compile": engine.compile.mode,
            "batch_size": bench.batch_size, "input_len": bench.input_len,
            "output_len": bench.output_len, "cores": len(usable_cores())}
     row.update(fields)

@@ -31,7 +31,7 @@ class LlamaCppWorkload(RankWorkload):
         if importlib.util.find_spec("llama_cpp") is None:
             raise UserError("--backend llama.cpp needs llama-cpp-python: run `make bench-deps` "
                             "(it compiles llama.cpp, several minutes)")
-        super().__init__("llama.cpp", engine.tp, llama_cpp_worker,
+        super().__init__("llama.cpp", engine.parallel.tp, llama_cpp_worker,
                          (engine.model, max_batch, max_tokens))
 
 

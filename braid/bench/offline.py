@@ -6,23 +6,31 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 
-from braid.bench.datasets import sample_requests
+from braid.bench.datasets import Dataset, sample_requests
 from braid.bench.serving import line
+from braid.config import EngineConfig
 from braid.engine.request import SamplingParams
 from braid.frontend.llm import LLM
+from braid.settings import setting
 
 
-def run_bench_offline(engine_args: dict, dataset_name: str, num_prompts: int,
-                      input_len: int, output_len: int, range_ratio: float,
-                      dataset_path: str | None, seed: int, output_file: str | None,
-                      tag: str | None = None) -> dict:
+@dataclass(frozen=True)
+class OfflineConfig:
+    """What `bench-offline` runs beside the engine's settings (its own flags)."""
+
+    dataset: Dataset = field(default_factory=Dataset)
+    output_file: str | None = setting(None, "append one JSON line here")
+    tag: str | None = setting(None, "a label for this run in the JSON line (and in braid plot)")
+
+
+def run_bench_offline(engine: EngineConfig, config: OfflineConfig) -> dict:
     """Generate every request (greedy, `ignore_eos`, each its own length); print SGLang's
     offline result block; append a JSON line."""
-    with LLM(**engine_args) as llm:
-        requests = sample_requests(dataset_name, num_prompts, llm.tokenizer, input_len=input_len,
-                                   output_len=output_len, range_ratio=range_ratio,
-                                   dataset_path=dataset_path, seed=seed)
+    dataset = config.dataset
+    with LLM.from_config(engine) as llm:
+        requests = sample_requests(dataset, llm.tokenizer)
         params = [SamplingParams(max_new_tokens=r.output_len, temperature=0, ignore_eos=True)
                   for r in requests]
         warm = requests[0]
@@ -33,10 +41,11 @@ def run_bench_offline(engine_args: dict, dataset_name: str, num_prompts: int,
         duration = time.perf_counter() - start
     total_input = sum(r.prompt_len for r in requests)
     total_output = sum(len(o.token_ids) for o in outputs)
-    row = {"tag": tag, "backend": "braid-offline", "dataset_name": dataset_name,
-           "num_prompts": num_prompts,
-           "random_input_len": input_len, "random_output_len": output_len,
-           "random_range_ratio": range_ratio, "tp": engine_args["tp"], "duration": duration,
+    row = {"tag": config.tag, "backend": "braid-offline", "dataset_name": dataset.dataset_name,
+           "num_prompts": dataset.num_prompts, "random_input_len": dataset.random_input_len,
+           "random_output_len": dataset.random_output_len,
+           "random_range_ratio": dataset.random_range_ratio, "tp": engine.parallel.tp,
+           "duration": duration,
            "completed": len(outputs), "total_input_tokens": total_input,
            "total_output_tokens": total_output, "request_throughput": len(outputs) / duration,
            "input_throughput": total_input / duration,
@@ -53,7 +62,7 @@ def run_bench_offline(engine_args: dict, dataset_name: str, num_prompts: int,
                        ("Total token throughput (tok/s):", "total_throughput")):
         line(label, row[key])
     print("=" * 50)
-    if output_file:
-        with open(output_file, "a") as f:
+    if config.output_file:
+        with open(config.output_file, "a") as f:
             f.write(json.dumps(row) + "\n")
     return row

@@ -18,7 +18,7 @@ from braid.bench.harness import (
     OneBatch,
     append_rows,
     base_row,
-    check,
+    check_run,
     print_header,
     print_result,
     random_prompts,
@@ -31,7 +31,7 @@ from braid.config import EngineConfig
 
 def run_bench_one_batch(engine: EngineConfig, bench: OneBatch) -> list[dict]:
     """Run the benchmark; print SGLang's lines; append JSONL rows."""
-    config = check(engine, bench)
+    config = check_run(engine, bench)
     if bench.overlap_sweep:
         return run_overlap_sweep(engine, bench, config)
     prompts = random_prompts(bench.batch_size, bench.input_len, config.vocab_size)

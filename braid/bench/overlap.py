@@ -92,7 +92,7 @@ def run_overlap_sweep(engine: EngineConfig, bench: OneBatch, config: ModelConfig
     crossover found over all points is printed as the threshold to set."""
     sizes = [int(b) for b in bench.sweep_batch_sizes.split(",")]
     workload = BraidWorkload(engine, max(sizes), bench.input_len, bench.output_len)
-    min_tokens = workload.llm.config.overlap_min_tokens  # None: auto learns
+    min_tokens = workload.llm.config.switches.overlap_min_tokens  # None: auto learns
     points = []
     try:
         for bs in sizes:
@@ -109,7 +109,8 @@ def run_overlap_sweep(engine: EngineConfig, bench: OneBatch, config: ModelConfig
     finally:
         workload.close()
     threshold = _crossover(points)
-    print(f"\nOverlap sweep: tp={engine.tp} comm={engine.comm} dtype={engine.dtype} "
+    print(f"\nOverlap sweep: tp={engine.parallel.tp} comm={engine.parallel.comm} "
+          f"dtype={engine.dtype} "
           f"input_len={bench.input_len} overlap_min_tokens={min_tokens} "
           f"(prefill step / median decode step, fastest of {bench.repeat})")
     print(f"{'kind':>8} {'batch':>6} {'tokens':>7} | {'off s':>9} {'on s':>9} {'on/off':>7} | "

@@ -19,45 +19,66 @@ import re
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 import numpy as np
 from tqdm import tqdm
 
 from braid.bench.client import auth_headers, discover_model, load_bench_tokenizer
-from braid.bench.datasets import BenchRequest, sample_requests
+from braid.bench.datasets import BenchRequest, Dataset, sample_requests
 from braid.errors import UserError
+from braid.settings import check, setting
 
-BACKENDS = ["braid", "sglang-oai", "vllm", "openai"]
+BACKENDS = ("braid", "sglang-oai", "vllm", "openai")
 PERCENTILES = (90, 95, 99)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServingConfig:
-    """What `bench-serving` runs (its CLI flags)."""
+    """What `bench-serving` runs (its flags, SGLang's names and defaults)."""
 
-    base_url: str
-    backend: str = "braid"
-    model: str | None = None
-    tokenizer: str | None = None
-    dataset_name: str = "random-ids"
-    dataset_path: str | None = None
-    num_prompts: int = 100
-    request_rate: float = float("inf")
-    max_concurrency: int | None = None
-    random_input_len: int = 1024
-    random_output_len: int = 1024
-    random_range_ratio: float = 0.0
-    seed: int = 1
-    tokenize_prompt: bool = False
-    warmup_requests: int = 1
-    output_file: str | None = None
-    plot: str | None = None
-    tag: str | None = None
-    disable_tqdm: bool = False
-    timeout_s: float = 3600.0
-    extra_request_body: dict = field(default_factory=dict)  # merged into every request
+    base_url: str = setting("http://127.0.0.1:30000", "the server to benchmark")
+    backend: str = setting("braid", "openai: no ignore_eos in the requests", choices=BACKENDS)
+    model: str | None = setting(None, "default: the server's first model")
+    tokenizer: str | None = setting(
+        None, "local GGUF file or model folder (default: the path the server reports for its "
+        "model)")
+    dataset: Dataset = field(default_factory=Dataset)
+    request_rate: float = setting(
+        float("inf"), "requests per second, Poisson arrivals (inf: all at once)")
+    max_concurrency: int | None = setting(None, "most requests in flight", at_least=1)
+    extra_request_body: str | None = setting(
+        None, "a JSON object merged into every request's body (SGLang's flag), e.g. "
+        "'{\"response_format\": {...}}'", metavar="JSON")
+    tokenize_prompt: bool = setting(
+        False, "send token ids instead of text, so prompt lengths are exact")
+    warmup_requests: int = setting(1, "requests sent before the timed ones", at_least=0)
+    plot: str | None = setting(
+        None, "plot this run: TTFT and ITL distributions, output over time", metavar="F.png")
+    disable_tqdm: bool = setting(False, "no progress bar")
+    output_file: str | None = setting(None, "append one JSON line here")
+    tag: str | None = setting(None, "a label for this run in the JSON line (and in braid plot)")
+    timeout_s: float = 3600.0  # one request's longest wait
+
+    def __post_init__(self) -> None:
+        check(self)
+        if not self.request_rate > 0:
+            raise UserError("--request-rate must be > 0 (or inf)")
+        _ = self.extra_body  # a bad --extra-request-body fails before any request is sent
+
+    @property
+    def extra_body(self) -> dict:
+        """--extra-request-body as a dict ({} when absent)."""
+        if self.extra_request_body is None:
+            return {}
+        try:
+            value = json.loads(self.extra_request_body)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--extra-request-body: not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise UserError("--extra-request-body: expected a JSON object")
+        return value
 
 
 @dataclass
@@ -147,7 +168,7 @@ async def run_requests(config: ServingConfig, model: str,
             warm = BenchRequest(first.prompt, first.prompt_ids, min(first.output_len, 32))
             results = await asyncio.gather(*(
                 send_request(client, url, model, config.backend, warm, config.tokenize_prompt,
-                             config.extra_request_body)
+                             config.extra_body)
                 for _ in range(config.warmup_requests)))
             if not any(r.success for r in results):
                 raise UserError(f"warm-up failed; check the flags. Error: {results[0].error}")
@@ -161,12 +182,12 @@ async def run_requests(config: ServingConfig, model: str,
         async def limited(request: BenchRequest) -> RequestResult:
             if semaphore is None:
                 result = await send_request(client, url, model, config.backend, request,
-                                            config.tokenize_prompt, config.extra_request_body)
+                                            config.tokenize_prompt, config.extra_body)
             else:
                 async with semaphore:
                     result = await send_request(client, url, model, config.backend, request,
                                                 config.tokenize_prompt,
-                                                config.extra_request_body)
+                                                config.extra_body)
             if progress is not None:
                 progress.update(1)
             return result
@@ -315,22 +336,12 @@ def run_counts(before: dict[str, float], after: dict[str, float]) -> dict:
 
 def run_bench_serving(config: ServingConfig) -> dict:
     """Run the benchmark; print the result block; append the JSON line; return it."""
-    if config.backend not in BACKENDS:
-        raise UserError(f"--backend must be one of {', '.join(BACKENDS)}")
-    if config.request_rate <= 0:
-        raise UserError("--request-rate must be > 0 (or inf)")
-    if config.max_concurrency is not None and config.max_concurrency < 1:
-        raise UserError("--max-concurrency must be at least 1")
-    config.base_url = config.base_url.rstrip("/")
+    config = replace(config, base_url=config.base_url.rstrip("/"))
     with httpx.Client(timeout=30) as client:
         model, root = discover_model(client, config.base_url)
     model = config.model or model
     tokenizer = load_bench_tokenizer(config.tokenizer or root)
-    requests = sample_requests(config.dataset_name, config.num_prompts, tokenizer,
-                               input_len=config.random_input_len,
-                               output_len=config.random_output_len,
-                               range_ratio=config.random_range_ratio,
-                               dataset_path=config.dataset_path, seed=config.seed)
+    requests = sample_requests(config.dataset, tokenizer)
     print(f"#Input tokens: {sum(r.prompt_len for r in requests)}")
     print(f"#Output tokens: {sum(r.output_len for r in requests)}")
     counts_before = server_counts(config.base_url)
@@ -348,15 +359,16 @@ def run_bench_serving(config: ServingConfig) -> dict:
         from braid.bench.plots import plot_serving_run
 
         plot_serving_run(results, config.plot,
-                         f"{config.backend} {model}: {config.num_prompts} prompts, "
+                         f"{config.backend} {model}: {config.dataset.num_prompts} prompts, "
                          f"concurrency {config.max_concurrency or 'unlimited'}, "
                          f"rate {config.request_rate}")
-    row = {"tag": config.tag, "backend": config.backend, "dataset_name": config.dataset_name,
+    dataset = config.dataset
+    row = {"tag": config.tag, "backend": config.backend, "dataset_name": dataset.dataset_name,
            "request_rate": config.request_rate, "max_concurrency": config.max_concurrency,
-           "random_input_len": config.random_input_len,
-           "random_output_len": config.random_output_len,
-           "random_range_ratio": config.random_range_ratio, "num_prompts": config.num_prompts,
-           "model": model, **metrics}
+           "random_input_len": dataset.random_input_len,
+           "random_output_len": dataset.random_output_len,
+           "random_range_ratio": dataset.random_range_ratio,
+           "num_prompts": dataset.num_prompts, "model": model, **metrics}
     if config.output_file:
         with open(config.output_file, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import count
 
 import numpy as np
@@ -27,12 +27,12 @@ from braid.engine.request import Request, SamplingParams, Sequence, check_reques
 from braid.engine.scheduler import Scheduler
 from braid.engine.speculation import NgramProposer, Speculator
 from braid.engine.stats import EngineStats
-from braid.engine.step_choice import Setting, StepChooser, describe, step_bucket, switch_options
+from braid.engine.step_choice import StepChooser, describe, step_bucket, step_settings
 from braid.errors import UserError, request_failure
 from braid.loader.model_config import ModelConfig
 from braid.loader.tokenizer import eos_token_ids, load_tokenizer
 from braid.models.registry import model_class
-from braid.step import SequenceDelta, StepPlan, StepResult
+from braid.step import SequenceDelta, StepMode, StepPlan, StepResult
 
 # `--compile auto` compiles for a job of at least this many tokens to generate (`generate`,
 # `LLM.generate`), by whether the graphs are saved: loading them and compiling the pieces is
@@ -50,19 +50,6 @@ class EngineError(RuntimeError):
     """The engine cannot go on (a rank's answer does not belong to the step asked)."""
 
 
-@dataclass
-class StepPolicy:
-    """Per-step switches, changeable between steps (benchmarks compare them in one launch).
-    `auto` switches without a threshold are learned per step size (`StepChooser`)."""
-
-    overlap: str
-    overlap_min_tokens: int | None
-    dp_linear: str
-    dp_linear_min_tokens: int | None
-    skip_comm: bool
-    comm_compression: str = "none"
-
-
 class EngineCore:
     """Requests in (`add`, `abort`), per-sequence deltas out (`step`)."""
 
@@ -71,18 +58,16 @@ class EngineCore:
         self.config = config
         self.model_config = model_config
         self.executor = executor
-        self.blocks = BlockManager(config.max_total_tokens, config.block_size,
-                                   config.prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens,
-                                   config.max_running_requests,
+        self.blocks = BlockManager(config.kv_cache)
+        self.scheduler = Scheduler(self.blocks, config.scheduler.max_num_batched_tokens,
+                                   config.scheduler.max_running_requests,
                                    model_config.max_position_embeddings,
-                                   config.max_skip_age_s)
-        self.policy = StepPolicy(config.overlap, config.overlap_min_tokens, config.dp_linear,
-                                 config.dp_linear_min_tokens, config.skip_comm,
-                                 config.comm_compression)
+                                   config.scheduler.max_skip_age_s)
+        # The per-step switches: a benchmark replaces them between steps to compare settings
+        self.switches = config.switches
         self._has_dp_linear = model_class(model_config).has_dp_linear
         # Compressed sums pay only where a network is slower than the compute: across hosts.
-        self._compression_learned = config.tp > 1 and ranks_span_hosts()
+        self._compression_learned = config.parallel.tp > 1 and ranks_span_hosts()
         self.chooser = StepChooser()
         self.grammars = Grammars(lambda: load_tokenizer(config.model, config.cache),
                                  model_config.vocab_size,
@@ -96,20 +81,20 @@ class EngineCore:
         self.last_path = ""  # the path the latest step took (`StepResult.path`)
         self.compiled = False
         self.speculator = None
-        if config.speculative == "ngram":
-            proposer = NgramProposer(config.ngram_min, config.ngram_max)
-            self.speculator = Speculator(proposer, config.speculative_tokens)
-        elif config.speculative == "draft":
+        if config.speculative.method == "ngram":
+            proposer = NgramProposer(config.speculative.ngram_min, config.speculative.ngram_max)
+            self.speculator = Speculator(proposer, config.speculative.num_tokens)
+        elif config.speculative.method == "draft":
             from braid.engine.draft import DraftProposer  # loads a model: only where asked
 
             self.speculator = Speculator(DraftProposer(config, model_config),
-                                         config.speculative_tokens)
+                                         config.speculative.num_tokens)
 
     def compile_steps(self, job_tokens: int | None = None) -> None:
         """Compile (or load saved) steps where `--compile` asks for them: `on` at once, `auto`
         for a server or benchmark (`job_tokens` None) and for a job whose tokens to generate
         repay it (`auto_compile_pays`); prints what it does. Once per engine."""
-        status, mode = self.executor.compile_status, self.config.compile
+        status, mode = self.executor.compile_status, self.config.compile.mode
         if self.compiled or mode == "off":
             return
         if status.not_compiled is not None:
@@ -183,11 +168,12 @@ class EngineCore:
             return []
         failed: list[SequenceDelta] = []
         try:
-            plan, layout = build_plan(batch, self.config.block_size, next(self._step_ids))
+            plan, layout = build_plan(batch, self.config.kv_cache.block_size, next(self._step_ids))
         except Exception:  # noqa: BLE001 - find the sequences that explain it; they fail alone
             batch, failed = self._drop_unplannable(batch)
             if batch:
-                plan, layout = build_plan(batch, self.config.block_size, next(self._step_ids))
+                plan, layout = build_plan(batch, self.config.kv_cache.block_size,
+                                          next(self._step_ids))
         deltas = failed
         if batch:
             deltas += self.scheduler.commit(batch, layout, self._run(plan, batch, layout))
@@ -203,43 +189,24 @@ class EngineCore:
         kept, failed = [], []
         for seq in batch:
             try:
-                build_plan([seq], self.config.block_size, 0)
+                build_plan([seq], self.config.kv_cache.block_size, 0)
                 kept.append(seq)
             except Exception as e:  # noqa: BLE001
                 failed.append(self.scheduler.fail(seq, request_failure("planning its step", e)))
         return kept, failed
 
-    def _settings(self, plan: StepPlan) -> list[Setting]:
-        """Every setting of the per-step switches that `plan` may run with."""
-        policy, several = self.policy, self.config.tp > 1
-        overlap = switch_options(policy.overlap, plan.num_tokens, policy.overlap_min_tokens,
-                                 several and plan.num_tokens > 1)
-        # A model without DP linear leaves it out (`auto`'s choices then do not name it).
-        dp_linear = switch_options(policy.dp_linear, plan.num_tokens,
-                                   policy.dp_linear_min_tokens, several
-                                   ) if self._has_dp_linear else None
-        compression = ((("none", "int8") if self._compression_learned else ("none",))
-                       if policy.comm_compression == "auto" else (policy.comm_compression,))
-        settings = [(("overlap", o), *((("dp_linear", d),) if dp_linear else ()),
-                     ("compression", c))
-                    for o in overlap for d in dp_linear or (False,) for c in compression]
-        # Never overlap with compressed sums: served two-host runs with both corrupted a rank's
-        # heap (docs/benchmarks.md, "Across hosts"); the config refuses them together.
-        safe = [s for s in settings
-                if not (dict(s)["overlap"] and dict(s)["compression"] != "none")]
-        return safe or [tuple((k, False if k == "overlap" else v) for k, v in settings[0])]
-
     def _run(self, plan: StepPlan, batch: list[Sequence] = (),
              layout: list[SequenceRows] = ()) -> StepResult:
-        settings = self._settings(plan)
+        settings = step_settings(self.switches, plan.num_tokens, self.config.parallel.tp,
+                                 self._has_dp_linear, self._compression_learned)
         bucket = step_bucket(plan.num_tokens, bool((plan.q_lens == 1).all()))
         setting, probe = self.chooser.choose(bucket, settings)
         chosen = dict(setting)
-        plan.overlap, plan.dp_linear = chosen["overlap"], chosen.get("dp_linear", False)
-        plan.comm_compression = chosen["compression"]
-        if len(settings) > 1:
-            plan.choice = f"{bucket} {'probe' if probe else 'chosen'}: {describe(setting)}"
-        plan.skip_comm = self.policy.skip_comm
+        why = f"{bucket} {'probe' if probe else 'chosen'}: {describe(setting)}"
+        plan.mode = StepMode(overlap=chosen["overlap"], dp_linear=chosen.get("dp_linear", False),
+                             comm_compression=chosen["compression"],
+                             skip_comm=self.switches.skip_comm,
+                             choice=why if len(settings) > 1 else "")
         constrained = [(rows.sample_row, seq.grammar) for seq, rows in zip(batch, layout)
                        if seq.grammar is not None and rows.sample_row is not None]
         fill_masks, mask_errors = None, {}
@@ -266,8 +233,8 @@ class EngineCore:
             result.errors[row] = f"the grammar failed: {error}"
         self.grammars.times.wait_s += result.grammar_wait_s
         self.num_steps += 1
-        self.num_steps_overlap += plan.overlap
-        self.num_steps_dp_linear += plan.dp_linear
+        self.num_steps_overlap += plan.mode.overlap
+        self.num_steps_dp_linear += plan.mode.dp_linear
         self.steps_by_path[result.path] += 1
         self.last_path = result.path
         return result
@@ -290,7 +257,7 @@ class EngineCore:
             for seq in seqs:
                 seq.blocks = self.blocks.allocate(self.blocks.blocks_needed(seq.num_tokens, 0))
                 seq.scheduled_tokens = seq.num_tokens
-            plan, _ = build_plan(seqs, self.config.block_size, next(self._step_ids))
+            plan, _ = build_plan(seqs, self.config.kv_cache.block_size, next(self._step_ids))
             result = self._run(replace(plan, logit_rows=None, sample_rows=None, sampling=None,
                                        prompt_logprobs=None, return_logits=True))
         finally:

@@ -46,19 +46,17 @@ class DraftProposer:
     """Greedy proposals of a draft model (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, target: ModelConfig) -> None:
-        draft_config = load_model_config(config.draft_model, config.cache)
+        draft_config = load_model_config(config.speculative.draft_model, config.cache)
         if draft_config.vocab_size != target.vocab_size:
-            raise UserError(f"--draft-model {config.draft_model} has a vocabulary of "
+            raise UserError(f"--draft-model {config.speculative.draft_model} has a vocabulary of "
                             f"{draft_config.vocab_size} tokens, the model {target.vocab_size}: "
                             "a draft must share the model's tokenizer")
-        self.engine = EngineConfig(model=config.draft_model, dtype=config.dtype,
-                                   device=config.device, block_size=config.block_size,
-                                   max_total_tokens=config.max_total_tokens,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   compile="off", cache=config.cache, seed=config.seed)
+        # One rank, eager, with the target's precision and cache size, proposing nothing
+        self.engine = config.replace(model=config.speculative.draft_model, tp=1, comm="torch",
+                                     compile="off", speculative="off", draft_model=None,
+                                     trace=None, prefix_caching=False)
         self.runner = resolve(MODEL_RUNNER)(self.engine, draft_config, SkipCommunicator(0, 1))
-        self.blocks = BlockManager(self.engine.max_total_tokens, config.block_size,
-                                   prefix_caching=False)
+        self.blocks = BlockManager(self.engine.kv_cache)
         self._caches: dict[int, DraftCache] = {}  # by seq_id
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
@@ -104,7 +102,7 @@ class DraftProposer:
         row's last token is that sequence's next proposal."""
         if not rows:
             return
-        bs = self.engine.block_size
+        bs = self.engine.kv_cache.block_size
         q_lens = np.array([len(tokens) for tokens, _, _ in rows], dtype=np.int64)
         positions = np.concatenate([np.arange(start, start + len(tokens))
                                     for tokens, start, _ in rows])

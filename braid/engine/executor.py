@@ -60,23 +60,24 @@ class RankExecutor:
         check_not_bootstrapping()
         # Refuse an unsupported architecture or split before launching.
         model_cls = model_class(model_config)
-        model_cls.check_config(model_config, config.tp)
-        split = model_cls.describe_split(model_config, config.tp) if config.tp > 1 else ""
+        tp = config.parallel.tp
+        model_cls.check_config(model_config, tp)
+        split = model_cls.describe_split(model_config, tp) if tp > 1 else ""
         if split:
-            print(f"tp {config.tp} split: {split}", file=sys.stderr)
+            print(f"tp {tp} split: {split}", file=sys.stderr)
         if config.cache and Path(config.model).is_file():
             prepare_gguf_weights(config.model, model_config, config.torch_dtype)
-        if config.device == "cpu":
+        if config.parallel.device == "cpu":
             native.load(announce=True)  # built once, here, so that no rank waits on the build
         segment = None
-        if config.comm == "shm" and config.tp > 1:
-            segment = ShmSegment.create(config.tp, slot_bytes=activation_slot_bytes(
-                config.max_num_batched_tokens, model_config.widest_activation,
+        if config.parallel.comm == "shm" and config.parallel.tp > 1:
+            segment = ShmSegment.create(config.parallel.tp, slot_bytes=activation_slot_bytes(
+                config.scheduler.max_num_batched_tokens, model_config.widest_activation,
                 config.torch_dtype.itemsize))
         try:
-            self.ranks = launch_ranks(config.tp, WORKER_MAIN, (config, model_config, segment),
+            self.ranks = launch_ranks(tp, WORKER_MAIN, (config, model_config, segment),
                                       cleanup=segment.unlink if segment else None,
-                                      timeout_s=config.comm_timeout_s)
+                                      timeout_s=config.parallel.comm_timeout_s)
         except BaseException:
             if segment is not None:
                 segment.unlink()

@@ -22,6 +22,7 @@ import secrets
 import struct
 from collections import OrderedDict
 
+from braid.config import KVCacheConfig
 from braid.engine.request import Sequence
 
 # Prefix-cache key of a full block: (chain digest, its tokens as little-endian int64 bytes).
@@ -38,24 +39,13 @@ def block_key(parent: bytes, tokens: bytes) -> bytes:
     return hashlib.sha256(parent + tokens).digest()
 
 
-def num_kv_blocks(num_tokens: int, block_size: int) -> int:
-    """Blocks of a cache of `num_tokens` tokens, plus block 0 (never handed out: block tables
-    pad with it)."""
-    return num_tokens // block_size + 1
-
-
-def kv_capacity_tokens(num_tokens: int, block_size: int) -> int:
-    """Tokens a cache sized for `num_tokens` holds (whole blocks)."""
-    return (num_kv_blocks(num_tokens, block_size) - 1) * block_size
-
-
 class BlockManager:
     """Fixed-size KV blocks with reference counts and a prefix cache of full blocks."""
 
-    def __init__(self, num_tokens: int, block_size: int, prefix_caching: bool = True) -> None:
-        self.block_size = block_size
-        self.num_blocks = num_kv_blocks(num_tokens, block_size)
-        self.prefix_caching = prefix_caching
+    def __init__(self, cache: KVCacheConfig) -> None:
+        block_size = self.block_size = cache.block_size
+        self.num_blocks = cache.num_blocks
+        self.prefix_caching = cache.prefix_caching
         self._free = list(range(self.num_blocks - 1, 0, -1))  # no cached contents
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self._refs = [0] * self.num_blocks

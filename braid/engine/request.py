@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from braid.engine.grammar import StructuredOutputs
 from braid.errors import UserError
 from braid.loader.model_config import ModelConfig
+from braid.settings import setting
 from braid.step import TokenLogprob
 
 # Most alternatives per token that `logprobs` may ask for (OpenAI's limit for top_logprobs).
@@ -41,12 +42,13 @@ class SamplingParams:
     from its text, by whichever front end detokenizes (`LLM`, the server).
     """
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no limit
+    # The settings `braid generate` takes as flags
+    max_new_tokens: int = setting(128, "tokens to generate per prompt")
+    temperature: float = setting(1.0, "0 for greedy")
+    top_p: float = setting(1.0, "sample from the smallest set of tokens this likely")
+    top_k: int = setting(0, "sample from this many most likely tokens (0: no limit)")
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = setting(None, "sampling seed (default: a fresh one per run)")
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()

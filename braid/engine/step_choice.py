@@ -28,6 +28,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
+from braid.config import OVERLAP_WITH_COMPRESSION, StepSwitches
+
 PROBES = 2
 CLEARLY_SLOWER = 1.3
 DRIFT = 0.25
@@ -43,8 +45,7 @@ def switch_options(mode: str, num_tokens: int, min_tokens: int | None,
                    applies: bool) -> tuple[bool, ...]:
     """The values a per-step optimisation may take for a step of `num_tokens`: `on`, `off`, or
     for `auto` where it `applies` (several ranks), from `min_tokens` tokens per step where that
-    threshold is given, else both, for the engine to learn which is faster
-    (`braid.engine.step_choice`)."""
+    threshold is given, else both, for the engine to learn which is faster."""
     if mode != "auto":
         return (mode == "on",)
     if not applies:
@@ -52,6 +53,27 @@ def switch_options(mode: str, num_tokens: int, min_tokens: int | None,
     if min_tokens is not None:
         return (num_tokens >= min_tokens,)
     return (False, True)
+
+
+def step_settings(switches: StepSwitches, num_tokens: int, tp: int, has_dp_linear: bool,
+                  compression_learned: bool) -> list[Setting]:
+    """Every setting of the per-step switches that a step of `num_tokens` may run with: DP
+    linear only for a model that has it, compression learned only where `compression_learned`
+    (the ranks span hosts), and never overlap with compressed sums where the config forbids
+    the pair (`OVERLAP_WITH_COMPRESSION`)."""
+    several = tp > 1
+    overlap = switch_options(switches.overlap, num_tokens, switches.overlap_min_tokens,
+                             several and num_tokens > 1)
+    # A model without DP linear leaves it out (`auto`'s choices then do not name it).
+    dp_linear = switch_options(switches.dp_linear, num_tokens, switches.dp_linear_min_tokens,
+                               several) if has_dp_linear else None
+    compression = ((("none", "int8") if compression_learned else ("none",))
+                   if switches.comm_compression == "auto" else (switches.comm_compression,))
+    settings = [(("overlap", o), *((("dp_linear", d),) if dp_linear else ()), ("compression", c))
+                for o in overlap for d in dp_linear or (False,) for c in compression]
+    allowed = [s for s in settings if OVERLAP_WITH_COMPRESSION
+               or not (dict(s)["overlap"] and dict(s)["compression"] != "none")]
+    return allowed or [tuple((k, False if k == "overlap" else v) for k, v in settings[0])]
 
 
 def describe(setting: Setting) -> str:

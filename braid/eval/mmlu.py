@@ -25,8 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from braid.config import resolve_comm, resolve_dtype
+from braid import settings
+from braid.config import EngineConfig
 from braid.errors import UserError
+from braid.settings import setting
 
 LETTERS = "ABCD"
 
@@ -124,11 +126,11 @@ class EvalResult:
                 "questions_per_s": len(hits) / self.duration_s, **self.extra}
 
 
-def score_braid(questions: list[Question], engine_args: dict) -> EvalResult:
+def score_braid(questions: list[Question], engine: EngineConfig) -> EvalResult:
     from braid.engine.request import SamplingParams
     from braid.frontend.llm import LLM
 
-    with LLM(**engine_args) as llm:
+    with LLM.from_config(engine) as llm:
         context = llm.model_config.max_position_embeddings
         letters = letter_token_ids(llm.tokenizer)
         params = SamplingParams(max_new_tokens=1, temperature=0, logprob_token_ids=letters)
@@ -252,38 +254,57 @@ def agreement(rows: list[dict]) -> list[tuple[int, int, float, int]]:
     return pairs
 
 
-def run_eval_mmlu(data_dir: str, subjects: str, num_shots: int, limit: int | None,
-                  backend: str, engine_args: dict, base_url: str | None, model_name: str | None,
-                  tokenizer_path: str | None, concurrency: int,
-                  output_file: str | None) -> dict:
-    """Evaluate, print the report, append the run (every answer included) to `output_file`,
-    and print how often the runs in that file agree."""
-    questions = load_questions(data_dir, subjects, num_shots, limit)
-    print(f"{len(questions)} questions from {len({q.subject for q in questions})} subjects, "
-          f"{num_shots}-shot, backend {backend}", flush=True)
-    if backend == "braid":
-        result = score_braid(questions, engine_args)
-    elif backend == "hf":
-        result = score_hf(questions, engine_args["model"], resolve_dtype(engine_args["dtype"]))
-    elif backend == "openai":
-        if not base_url:
+@dataclass(frozen=True)
+class MmluConfig:
+    """What `braid eval-mmlu` runs beside the engine's settings (its own flags)."""
+
+    data_dir: str = setting(help="MMLU folder with dev/ and test/ CSV files")
+    subjects: str = setting("all", "all, or comma-separated subjects")
+    num_shots: int = setting(5, "solved examples before each question", at_least=0)
+    limit: int | None = setting(None, "first N test questions of each subject", at_least=1)
+    backend: str = setting(
+        "braid", "hf: transformers on the same weights; openai: a server's prompt logprobs "
+        "(--base-url)", choices=("braid", "hf", "openai"))
+    base_url: str | None = setting(None, "the server, for --backend openai")
+    served_model: str | None = setting(
+        None, "--backend openai: the model name (default: the server's first)")
+    tokenizer: str | None = setting(
+        None, "--backend openai: local tokenizer path (default: the server's)")
+    concurrency: int = setting(8, "--backend openai: questions in flight", at_least=1)
+    output_file: str | None = setting(
+        None, "append the run (every answer) as a JSON line; runs in the file are compared")
+
+    def __post_init__(self) -> None:
+        settings.check(self)
+        if self.backend == "openai" and not self.base_url:
             raise UserError("--backend openai needs --base-url")
-        result = score_openai(questions, base_url, model_name, tokenizer_path, concurrency)
-    else:
-        raise UserError(f"--backend must be braid, hf or openai, got {backend!r}")
-    report = result.report()
-    device = engine_args["device"]
-    settings = {"backend": backend, "model": engine_args["model"],
-                "dtype": resolve_dtype(engine_args["dtype"], device)}
+
+
+def run_eval_mmlu(config: MmluConfig, engine: EngineConfig) -> dict:
+    """Evaluate, print the report, append the run (every answer included) to the config's
+    output file, and print how often the runs in that file agree."""
+    questions = load_questions(config.data_dir, config.subjects, config.num_shots, config.limit)
+    backend, output_file = config.backend, config.output_file
+    print(f"{len(questions)} questions from {len({q.subject for q in questions})} subjects, "
+          f"{config.num_shots}-shot, backend {backend}", flush=True)
     if backend == "braid":
-        comm = engine_args["comm"]
-        settings.update(tp=engine_args["tp"], comm=resolve_comm(device) if comm == "auto" else comm,
-                        overlap=engine_args["overlap"], dp_linear=engine_args["dp_linear"])
+        result = score_braid(questions, engine)
+    elif backend == "hf":
+        result = score_hf(questions, engine.model, engine.dtype)
+    else:
+        result = score_openai(questions, config.base_url, config.served_model, config.tokenizer,
+                              config.concurrency)
+    report = result.report()
+    described = {"backend": backend, "model": engine.model, "dtype": engine.dtype}
+    if backend == "braid":
+        described.update(tp=engine.parallel.tp, comm=engine.parallel.comm,
+                         overlap=engine.switches.overlap, dp_linear=engine.switches.dp_linear)
     if backend == "openai":
-        settings.update(base_url=base_url)
-    title = " ".join(f"{k}={v}" for k, v in settings.items() if k != "model")
+        described.update(base_url=config.base_url)
+    title = " ".join(f"{k}={v}" for k, v in described.items() if k != "model")
     print_report(report, title)
-    row = {"eval": "mmlu", **settings, "num_shots": num_shots, "limit": limit, **report,
+    row = {"eval": "mmlu", **described, "num_shots": config.num_shots, "limit": config.limit,
+           **report,
            # Per question: subject, test row, predicted, correct, the letters' logprobs.
            "answers": [[q.subject, q.index, p, q.answer,
                         None if s is None else [round(x, 5) for x in s]]

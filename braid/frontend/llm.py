@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from itertools import count
 
 import torch
 
-from braid.config import EngineConfig, default_model_path
-from braid.engine.core import EngineCore, StepPolicy
+from braid.config import EngineConfig, StepSwitches
+from braid.engine.core import EngineCore
 from braid.engine.executor import RankExecutor
 from braid.engine.request import Request, SamplingParams
 from braid.errors import UserError
@@ -24,15 +25,14 @@ class LLM:
     `dtype="auto"` picks bf16 where the hardware computes it natively, else fp32. With
     `compile="auto"` (the default) steps are compiled once a `generate` call's job is long
     enough to repay it (`compile="on"`: at start; `"off"`: never).
-    Keyword arguments beyond `model`, `tp` and `dtype` are `EngineConfig` fields
-    (`max_total_tokens`, `max_num_batched_tokens`, `prefix_caching`, `comm`, ...). Use as a
-    context manager or call `close()`.
+    Keyword arguments beyond `model`, `tp` and `dtype` are the engine's other settings by
+    their flags' names (`max_total_tokens`, `max_num_batched_tokens`, `prefix_caching`,
+    `comm`, ...: `EngineConfig.create`). Use as a context manager or call `close()`.
     """
 
     def __init__(self, model: str | None = None, tp: int = 1, dtype: str = "auto",
                  **engine_args) -> None:
-        self._start(EngineConfig(model=model or default_model_path(), tp=tp, dtype=dtype,
-                                 **engine_args))
+        self._start(EngineConfig.create(model=model, tp=tp, dtype=dtype, **engine_args))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
@@ -53,7 +53,7 @@ class LLM:
             executor.close()
             raise
         self.core = EngineCore(self.config, self.model_config, executor)
-        if self.config.compile == "on":
+        if self.config.compile.mode == "on":
             self.core.compile_steps()
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self._ids = count()
@@ -69,9 +69,14 @@ class LLM:
         self.core.close()
 
     @property
-    def policy(self) -> StepPolicy:
-        """Per-step switches (overlap, DP linear, skip-comm), changeable between steps."""
-        return self.core.policy
+    def switches(self) -> StepSwitches:
+        """The per-step switches the next steps run with (overlap, DP linear, ...)."""
+        return self.core.switches
+
+    def switch(self, **changes: object) -> None:
+        """Change per-step switches from the next step on (`switch(overlap="on")`): one
+        launch can compare settings side by side."""
+        self.core.switches = replace(self.core.switches, **changes)
 
     @property
     def has_work(self) -> bool:

@@ -152,7 +152,7 @@ class ForwardBatch:
         self.positions = torch.from_numpy(plan.positions).to(device)
         self.slot_mapping = torch.from_numpy(plan.slot_mapping).to(device)
         self.attn_groups = build_attention_groups(plan, block_size, device)
-        self.dp_linear = plan.dp_linear
+        self.dp_linear = plan.mode.dp_linear
         # None where every token is a logit row (the rows ascend, so as many as the tokens
         # are all of them: every decode step): no index to apply, or to trace in a compiled
         # step (where one made inductor's C++ for the int8 LM head name an undefined size).

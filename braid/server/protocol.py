@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from braid import settings
 from braid.engine.grammar import StructuredOutputs
 from braid.engine.request import (
     MAX_LOGIT_BIAS,
@@ -25,6 +26,7 @@ from braid.engine.request import (
 )
 from braid.errors import UserError
 from braid.server.tool_calls import named_tool_schema, required_tools_schema
+from braid.settings import setting
 
 
 @dataclass(frozen=True)
@@ -32,20 +34,26 @@ class RequestLimits:
     """What one request may ask of `braid serve`, checked before any work starts; each is a
     flag of `braid serve`."""
 
-    max_request_bytes: int = 4 << 20  # a body beyond: 413, before it is parsed
-    max_sequences_per_request: int = 1024  # prompts x n of one request
-    max_queued_sequences: int = 4096  # waiting to be admitted, all requests: beyond, 429
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 256
-    max_token_ids: int = 1024  # entries of stop_token_ids and of logit_bias
+    max_request_bytes: int = setting(
+        4 << 20, "largest request body; beyond, 413 before it is parsed", metavar="N",
+        at_least=1)
+    max_sequences_per_request: int = setting(
+        1024, "most completions (prompts x n) one request may ask for", metavar="N", at_least=1)
+    max_queued_sequences: int = setting(
+        4096, "most sequences waiting for admission; beyond, 429 with Retry-After", metavar="N",
+        at_least=1)
+    max_stop_strings: int = setting(16, "most stop strings a request may give", metavar="N",
+                                    at_least=1)
+    max_stop_string_chars: int = setting(256, "longest stop string, in characters",
+                                         metavar="N", at_least=1)
+    max_token_ids: int = setting(1024, "most entries of stop_token_ids and of logit_bias",
+                                 metavar="N", at_least=1)
 
     def __post_init__(self) -> None:
-        for name, value in vars(self).items():
-            if value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        settings.check(self)
         if self.max_sequences_per_request > self.max_queued_sequences:
-            raise ValueError("--max-sequences-per-request must not exceed "
-                             "--max-queued-sequences (such a request could never queue)")
+            raise UserError("--max-sequences-per-request must not exceed "
+                            "--max-queued-sequences (such a request could never queue)")
 
 
 MAX_TOOLS = 128  # functions one chat request may offer

@@ -15,37 +15,18 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
 
 from braid.config import EngineConfig
-from braid.engine.kv_cache import kv_capacity_tokens
 from braid.loader.model_config import check_model_path
 from braid.loader.tokenizer import eos_token_ids, load_tokenizer
 from braid.server.api import ServerContext, build_app
 from braid.server.async_engine import AsyncEngine
 from braid.server.metrics import Metrics
-from braid.server.protocol import RequestLimits
+from braid.server.settings import ServeSettings
 from braid.server.tool_calls import parser_for
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """The HTTP side of `braid serve`."""
-
-    host: str = "127.0.0.1"
-    port: int = 30000
-    served_model_name: str | None = None  # default: the checkpoint's file or folder name
-    api_key: str | None = None
-    api_key_all_routes: bool = False  # the key on /health and /metrics too
-    log_level: str = "info"
-    shutdown_timeout: float = 5.0
-    limits: RequestLimits = RequestLimits()
-    report_cached_tokens: bool = True
-    chat_template: str | None = None  # replaces the model's (--chat-template's text)
-    tool_call_parser: str = "auto"  # a TOOL_CALL_PARSERS name, "auto" or "none"
 
 
 class _Server(uvicorn.Server):
@@ -84,21 +65,22 @@ def served_name(model: str) -> str:
 
 def run_server(config: EngineConfig, settings: ServeSettings) -> int:
     """Serve until stopped; the process exit code (0 after a signal, 1 if the engine died)."""
+    api_key, chat_template = settings.key(), settings.chat_template_text()
     check_model_path(config.model)  # a clear error before any process starts
     engine = AsyncEngine(config)
     try:
         tokenizer = load_tokenizer(config.model, config.cache)  # while the engine loads the model
-        if settings.chat_template is not None:
-            tokenizer.chat_template = settings.chat_template
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         model_config = engine.wait_ready()
         metrics = Metrics()
         ctx = ServerContext(
             engine=engine, tokenizer=tokenizer, model_config=model_config,
             model_name=settings.served_model_name or served_name(config.model),
             model_path=config.model,
-            kv_capacity=kv_capacity_tokens(config.max_total_tokens, config.block_size),
+            kv_capacity=config.kv_cache.capacity_tokens,
             eos_token_ids=eos_token_ids(model_config, tokenizer), metrics=metrics,
-            api_key=settings.api_key, api_key_all_routes=settings.api_key_all_routes,
+            api_key=api_key, api_key_all_routes=settings.api_key_all_routes,
             limits=settings.limits, report_cached_tokens=settings.report_cached_tokens,
             tool_parser=parser_for(settings.tool_call_parser,
                                    getattr(tokenizer, "chat_template", None)),

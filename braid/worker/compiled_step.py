@@ -114,12 +114,12 @@ def eager_decode_reads_kernel(engine: EngineConfig, model: nn.Module) -> bool:
     2): decode bs 32 1.38x, bs 1 1.04x, prefill 8 x 512 1.04x (the layout's writes). An int8
     cache, whose gathered blocks SDPA needs dequantized, ran 0.65-0.69x the bf16 cache's speed
     at bs 32 gathered, 1.08x through the operator."""
-    if engine.device != "cpu":
+    if engine.parallel.device != "cpu":
         return False
     for attn in model.attention_layers():
         if not (isinstance(attn, PagedAttention)
                 and decode_kernel.shape_fits(attn.padded_heads, attn.num_kv_heads, attn.head_dim,
-                                             engine.block_size, engine.torch_dtype,
+                                             engine.kv_cache.block_size, engine.torch_dtype,
                                              engine.kv_torch_dtype)):
             return False
     return decode_kernel.load()
@@ -358,9 +358,10 @@ def graph_cache_key(engine: EngineConfig, model_path: str, rank: int, world_size
         "braid": code_version(), "torch": torch.__version__,
         "isa": torch.backends.cpu.get_cpu_capability(), "flags": isa_flags(),
         "threads": torch.get_num_threads(), "model": _file_identity(Path(model_path)),
-        "rank": rank, "world_size": world_size, "comm": engine.comm, "dtype": engine.dtype,
-        "kv_cache_dtype": engine.kv_cache_dtype, "quantization": engine.quantization,
-        "block_size": engine.block_size, "kv_blocks": kv_blocks, "packed": packed,
+        "rank": rank, "world_size": world_size, "comm": engine.parallel.comm,
+        "dtype": engine.dtype, "kv_cache_dtype": engine.kv_cache.kv_cache_dtype,
+        "quantization": engine.compile.quantization,
+        "block_size": engine.kv_cache.block_size, "kv_blocks": kv_blocks, "packed": packed,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
 

@@ -12,7 +12,6 @@ import torch
 
 from braid.config import EngineConfig
 from braid.distributed.comm import SwitchableCommunicator
-from braid.engine.kv_cache import num_kv_blocks
 from braid.layers.forward_batch import ForwardBatch
 from braid.layers.fused import configure_compile
 from braid.layers.quant import PACKED_MAX_ROWS, pack_linear_layers, quantize_linear_layers
@@ -77,7 +76,7 @@ class ModelRunner:
         self.engine = engine
         self.config = config
         self.comm = comm
-        self.device = rank_device(engine.device, comm.rank)
+        self.device = rank_device(engine.parallel.device, comm.rank)
         torch.manual_seed(engine.seed)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(engine.seed)
@@ -88,15 +87,15 @@ class ModelRunner:
         if comm.rank == 0:
             weights = with_progress(weights, "loading weights", delay_s=2.0)
         load_weights(self.model, weights)
-        if engine.quantization == "int8":
+        if engine.compile.quantization == "int8":
             quantize_linear_layers(self.model)
         self.model.to(self.device).eval()
-        self._packed = engine.weight_packing and pack_linear_layers(self.model)
-        configure_compile(engine.compile, engine.device, announce=comm.rank == 0)
+        self._packed = engine.compile.weight_packing and pack_linear_layers(self.model)
+        configure_compile(engine.compile.mode, engine.parallel.device, announce=comm.rank == 0)
         self.operations = self.model.operations()
         # Why steps cannot be compiled here (None: they can, once `prepare_compiled` ran)
-        self.not_compiled = ("--compile off" if engine.compile == "off"
-                             else compile_applies(engine.device, self.model))
+        self.not_compiled = ("--compile off" if engine.compile.mode == "off"
+                             else compile_applies(engine.parallel.device, self.model))
         kernel = eager_decode_reads_kernel(engine, self.model)
         self._allocate_kv_cache(tokens_innermost=kernel or self.not_compiled is None)
         if kernel:
@@ -113,11 +112,11 @@ class ModelRunner:
     def _decode_step(self) -> CompiledDecodeStep:
         """The decode graphs' holder, keyed once (the key hashes braid's code and the model's
         files) for the status and the compile."""
-        kv_blocks = num_kv_blocks(self.engine.max_total_tokens, self.engine.block_size)
+        kv_blocks = self.engine.kv_cache.num_blocks
         key = graph_cache_key(self.engine, self.engine.model, self.comm.rank,
                               self.comm.world_size, self._packed, kv_blocks
                               ) if self.engine.cache else None
-        torch_collectives = self.comm.world_size > 1 and self.engine.comm == "torch"
+        torch_collectives = self.comm.world_size > 1 and self.engine.parallel.comm == "torch"
         return CompiledDecodeStep(self.model, key, cpp_wrapper=not torch_collectives)
 
     @torch.inference_mode()
@@ -136,7 +135,7 @@ class ModelRunner:
         configure_compiler()
         mark_static(self.model)
         decode = self._decode_step
-        block_size = self.engine.block_size
+        block_size = self.engine.kv_cache.block_size
         loaded, compiled = decode.prepare({
             one: ForwardBatch(plan, block_size, self.device)
             for one, plan in warm_up_plans(block_size).items()})
@@ -148,8 +147,8 @@ class ModelRunner:
         # so neither waits on the other past its collective timeout); warming it up cost 3-5 s
         # of every start.
         tokens = [64] if PACKED_MAX_ROWS is None else [64, PACKED_MAX_ROWS + 64]
-        tokens = [n for n in tokens if n <= max(64, self.engine.max_num_batched_tokens)]
-        overlap = self.engine.overlap != "off"
+        tokens = [n for n in tokens if n <= max(64, self.engine.scheduler.max_num_batched_tokens)]
+        overlap = self.engine.switches.overlap != "off"
         with self.comm.long_timeout(COMPILE_COMM_TIMEOUT_S):
             for plan in piece_warm_up_plans(block_size, tokens):
                 execute(pieces.plain, ForwardBatch(plan, block_size, self.device))
@@ -165,11 +164,11 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, tokens_innermost: bool) -> None:
         """`tokens_innermost`: the decode operator's layout (`PagedAttention` only)."""
-        num_blocks = num_kv_blocks(self.engine.max_total_tokens, self.engine.block_size)
+        num_blocks = self.engine.kv_cache.num_blocks
         layout = {"tokens_innermost": True} if tokens_innermost else {}
         for attn in self.model.attention_layers():
-            attn.allocate_cache(num_blocks, self.engine.block_size, self.engine.kv_torch_dtype,
-                                self.device, **layout)
+            attn.allocate_cache(num_blocks, self.engine.kv_cache.block_size,
+                                self.engine.kv_torch_dtype, self.device, **layout)
 
     @torch.inference_mode()
     def step(self, plan: StepPlan,
@@ -177,10 +176,10 @@ class ModelRunner:
         """Run one forward step; rank 0 returns tokens (and logprobs, logits if asked),
         the other ranks None. A plan with grammar rows has its bitmask from `receive_mask`,
         asked for once the logits are ready: the driver fills it while the forward runs."""
-        self.comm.skip = plan.skip_comm
-        self.comm.compression = plan.comm_compression
-        if plan.choice:
-            tracer().instant(plan.choice, "auto")
+        self.comm.skip = plan.mode.skip_comm
+        self.comm.compression = plan.mode.comm_compression
+        if plan.mode.choice:
+            tracer().instant(plan.mode.choice, "auto")
         logits, path = self._forward(plan)
         if self.comm.rank != 0:
             return None
@@ -204,11 +203,11 @@ class ModelRunner:
         graph, or the operation list (with compiled pieces where prepared) straight or as two
         overlapped micro-batches (each computes its share of the rows, A's first). Steps with
         collectives skipped or compressed run eager: the graphs hold the plain ones."""
-        block_size = self.engine.block_size
-        compiled = (self.decode_graph is not None and not plan.skip_comm
-                    and plan.comm_compression == "none")
-        parts = (split_step(plan, self.engine.tbo_token_distribution_threshold)
-                 if plan.overlap else None)
+        block_size = self.engine.kv_cache.block_size
+        compiled = (self.decode_graph is not None and not plan.mode.skip_comm
+                    and plan.mode.comm_compression == "none")
+        parts = (split_step(plan, self.engine.switches.tbo_token_distribution_threshold)
+                 if plan.mode.overlap else None)
         if parts is None:
             batch = ForwardBatch(plan, block_size, self.device)
             if compiled and self.decode_graph.handles(batch):

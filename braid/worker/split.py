@@ -19,8 +19,6 @@ import numpy as np
 
 from braid.step import StepPlan
 
-DEFAULT_TOKEN_THRESHOLD = 0.48
-
 
 @dataclass
 class MicroBatches:
@@ -70,9 +68,10 @@ def _cut_inside_sequence(plan: StepPlan, mid: int) -> MicroBatches:
     return MicroBatches(a, b, True)
 
 
-def split_step(plan: StepPlan,
-               threshold: float = DEFAULT_TOKEN_THRESHOLD) -> MicroBatches | None:
-    """Two micro-batches for `plan`, or None when it cannot be split."""
+def split_step(plan: StepPlan, threshold: float) -> MicroBatches | None:
+    """Two micro-batches for `plan`, or None when it cannot be split; a sequence is cut in two
+    where the best cut between sequences leaves a side less than `threshold` of the tokens
+    (`--tbo-token-distribution-threshold`)."""
     q_lens = plan.q_lens
     total = int(q_lens.sum())
     if total < 2:

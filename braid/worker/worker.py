@@ -17,15 +17,15 @@ def make_communicator(engine: EngineConfig, rank: int, world_size: int,
                       segment: ShmSegment | None) -> SwitchableCommunicator:
     """The backend chosen by `--comm`, switchable to no-ops per step (`--skip-comm`)."""
     if segment is not None:
-        real = ShmCommunicator(rank, segment, engine.comm_timeout_s)
-    elif engine.device.startswith("cuda") and world_size > 1:
+        real = ShmCommunicator(rank, segment, engine.parallel.comm_timeout_s)
+    elif engine.parallel.device.startswith("cuda") and world_size > 1:
         import torch.distributed as dist
 
         # The default group is gloo (control, CPU tensors); GPU activations go through NCCL.
         real = TorchCommunicator(rank, world_size, dist.new_group(backend="nccl"))
     else:
         real = TorchCommunicator(rank, world_size)
-    return SwitchableCommunicator(real, engine.skip_comm)
+    return SwitchableCommunicator(real, engine.switches.skip_comm)
 
 
 def worker_main(rank: int, world_size: int, conn: Connection, engine: EngineConfig,
