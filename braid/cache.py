@@ -39,10 +39,11 @@ def cache_root() -> Path:
 
 
 # The modules whose code decides what an entry holds: an edit to one (an editable install
-# keeps its version number) must not read entries its previous code wrote.
+# keeps its version number) must not read entries its previous code wrote. Glob patterns allowed;
+# `models/*.py`: each family module's spec says how a GGUF file of the family is read.
 _DERIVING_MODULES = ("cache.py", "config.py", "loader/gguf.py", "loader/gguf_families.py",
                      "loader/model_config.py", "loader/weights.py", "loader/weight_cache.py",
-                     "loader/tokenizer.py")
+                     "loader/tokenizer.py", "models/*.py")
 
 
 def braid_version() -> str:
@@ -52,7 +53,9 @@ def braid_version() -> str:
     except PackageNotFoundError:  # running from a source tree that is not installed
         release = "unknown"
     package = Path(__file__).parent
-    code = hashlib.sha256(b"".join((package / m).read_bytes() for m in _DERIVING_MODULES))
+    # (a name that matches no file is read as itself, and fails: a renamed module is noticed)
+    files = [f for m in _DERIVING_MODULES for f in sorted(package.glob(m)) or [package / m]]
+    code = hashlib.sha256(b"".join(f.read_bytes() for f in files))
     return f"{release}+{code.hexdigest()[:12]}"
 
 

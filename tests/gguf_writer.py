@@ -1,10 +1,10 @@
 """A Hugging Face safetensors folder written as a GGUF file the way llama.cpp's converter
 (`convert_hf_to_gguf.py`, now `conversion/*.py`) writes it, for tests of braid's GGUF reading.
 
-It is written independently of braid's reader (`braid.loader.gguf_families`), from the
-converter's rules: tensor names through `gguf.TensorNameMap.get_name` (the converter's own
-direction, Hugging Face -> GGUF), the rotary permutation of Q and K for the `llama`
-architecture only (LlamaModel.permute), `+1` on Gemma 3's norms (Gemma3Model.norm_shift),
+It is written independently of braid's reader (`braid.loader.gguf_families` and the families'
+`GGUFMapping`s), from the converter's rules: tensor names through `gguf.TensorNameMap.get_name`
+(the converter's own direction, Hugging Face -> GGUF), the rotary permutation of Q and K for the
+`llama` architecture only (LlamaModel.permute), `+1` on Gemma 3's norms (Gemma3Model.norm_shift),
 experts stacked into one 3-D tensor per projection (`torch.stack(..., dim=0)` in LlamaModel and
 Qwen2MoeModel), Phi-3's fused `qkv_proj`/`gate_up_proj` kept as `attn_qkv`/`ffn_up` and its
 LongRoPE factors as tensors. The tokenizer is the embedded SmolLM2 GGUF's (the tiny test

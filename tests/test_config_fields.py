@@ -1,6 +1,7 @@
-"""The strict config check (braid.models.config_fields): every field of each supported
-architecture's transformers config class is classified, default configs pass, and values braid
-does not compute are refused by name, through the registry as a served folder would be."""
+"""The strict config check (braid.models.config_fields, with the tables of the families' specs):
+every field of each supported architecture's transformers config class is classified, default
+configs pass, and values braid does not compute are refused by name, through the registry as a
+served folder would be."""
 
 from __future__ import annotations
 
@@ -12,17 +13,11 @@ import transformers
 
 from braid.errors import UserError
 from braid.loader.model_config import load_model_config
-from braid.models.config_fields import (
-    FIELDS,
-    HF_CONFIG_CLASSES,
-    IMPLEMENTED,
-    NEUTRAL,
-    NO_EFFECT,
-    check_config_fields,
-)
-from braid.models.registry import MODELS, model_class
+from braid.models.config_fields import IMPLEMENTED, NEUTRAL, NO_EFFECT, check_config_fields
+from braid.models.registry import ARCHITECTURES as SPECS
+from braid.models.registry import model_class
 
-ARCHITECTURES = sorted(HF_CONFIG_CLASSES)
+ARCHITECTURES = sorted(SPECS)
 # Small shapes, so a written config.json stays short (layer_types has one entry per layer).
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
@@ -31,7 +26,7 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
 def hf_config(architecture: str, **changes) -> dict:
     """`config.json` of a small model of this architecture, as transformers writes it, with
     `changes` applied to the written dict (as a checkpoint's own file would carry them)."""
-    cls = getattr(transformers, HF_CONFIG_CLASSES[architecture])
+    cls = getattr(transformers, SPECS[architecture].hf_config_class)
     shapes = dict(SMALL)
     if architecture.startswith("Deepseek"):
         shapes.update(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
@@ -45,10 +40,7 @@ def hf_config(architecture: str, **changes) -> dict:
 
 def check_through_registry(architecture: str, config: dict, folder: Path) -> None:
     """Load `config` as a served folder's config.json and look its model class up (where the
-    check runs); an architecture the registry does not serve yet is checked directly."""
-    if architecture not in MODELS:
-        check_config_fields(architecture, config)
-        return
+    check runs)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
     model_class(load_model_config(str(folder)))
@@ -56,22 +48,24 @@ def check_through_registry(architecture: str, config: dict, folder: Path) -> Non
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_every_field_of_the_config_class_is_classified(architecture):
-    cls = getattr(transformers, HF_CONFIG_CLASSES[architecture])
-    unclassified = sorted(set(cls().to_dict()) - set(FIELDS[architecture]))
+    cls = getattr(transformers, SPECS[architecture].hf_config_class)
+    unclassified = sorted(set(cls().to_dict()) - set(SPECS[architecture].fields))
     assert not unclassified, (f"{cls.__name__} fields braid has not classified (implemented, "
                               f"no effect or neutral only): {unclassified}")
-    assert {rule.kind for rule in FIELDS[architecture].values()} <= {
+    assert {rule.kind for rule in SPECS[architecture].fields.values()} <= {
         IMPLEMENTED, NO_EFFECT, NEUTRAL}
 
 
 def test_every_served_architecture_is_classified():
-    assert set(MODELS) <= set(FIELDS)
-    assert set(FIELDS) == set(HF_CONFIG_CLASSES)
+    """Each spec names itself, classifies fields and names a transformers config class."""
+    for name, spec in SPECS.items():
+        assert spec.name == name and spec.fields, name
+        assert hasattr(transformers, spec.hf_config_class), spec.hf_config_class
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_default_configs_pass(architecture, tmp_path):
-    cls = getattr(transformers, HF_CONFIG_CLASSES[architecture])
+    cls = getattr(transformers, SPECS[architecture].hf_config_class)
     check_config_fields(architecture, cls().to_dict())
     check_through_registry(architecture, hf_config(architecture), tmp_path)
 

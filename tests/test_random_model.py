@@ -17,7 +17,8 @@ from braid.cli import build_parser
 from braid.errors import UserError
 from braid.loader.tokenizer import apply_chat_template, load_tokenizer
 from braid.models.config_fields import check_config_fields
-from braid.random_model import ARCHS, CHAT_TEMPLATES, make_random_model
+from braid.models.registry import RANDOM_MODELS
+from braid.random_model import ARCHS, CHAT_TEMPLATES, PRESETS, make_random_model
 
 # The default suite builds the families whose tiny presets differ most (MoE with a dense layer,
 # Gemma's norms and layer kinds, Phi-3's fused tensors); the others run in `make test-all`.
@@ -196,3 +197,8 @@ def test_cli_offers_every_family(tmp_path):
     assert set(CHAT_TEMPLATES) == set(FAMILY_ARCHS)
     with pytest.raises(UserError, match="--arch"):
         make_random_model("gemma2", "tiny", str(tmp_path / "x"))
+
+
+def test_every_family_has_every_preset():
+    for arch in ARCHS:
+        assert list(RANDOM_MODELS[arch].random.presets) == PRESETS, arch

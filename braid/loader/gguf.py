@@ -2,9 +2,10 @@
 
 `gguf_config` turns a file's metadata into the Hugging Face `config.json` dict of its family;
 `iterate_gguf` yields its tensors under Hugging Face names with what llama.cpp's converter did
-undone (`braid.loader.gguf_families` says what, per architecture): the rotary permutation of Q
-and K, Gemma's `+1` on norms, experts stacked into one 3-D tensor per projection (each expert
-is a view of its own). Tensors are dequantized lazily and per slice of rows.
+undone (`braid.loader.gguf_families` and each family's `GGUFMapping` say what): the rotary
+permutation of Q and K, Gemma's `+1` on norms, experts stacked into one 3-D tensor per
+projection (each expert is a view of its own). Tensors are dequantized lazily and per slice of
+rows.
 """
 
 from __future__ import annotations
@@ -12,22 +13,19 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, Keys, TokenType
 from gguf.quants import dequantize
 
-from braid.loader.gguf_families import (
-    ROPE_FACTOR_TENSORS,
-    Family,
-    config_dict,
-    expert_name,
-    family_of,
-    tensor_names,
-)
+from braid.loader.gguf_families import config_dict, expert_name, family_of, tensor_names
 from braid.loader.model_config import ModelConfig
 from braid.loader.weights import LazyWeight
+
+if TYPE_CHECKING:  # the model code's package, which the API process must not load
+    from braid.models.spec import Architecture
 
 _NAME_RE = re.compile(r"^(.+)\.(weight|bias)$")
 
@@ -42,8 +40,9 @@ def _field(reader: GGUFReader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def _metadata(reader: GGUFReader, path: str) -> tuple[Family, Callable]:
-    """The file's family and a reader of its metadata by `gguf.Keys` template."""
+def _metadata(reader: GGUFReader, path: str) -> tuple[Architecture, Callable]:
+    """The architecture that serves the file (its family's spec) and a reader of its metadata
+    by `gguf.Keys` template."""
     arch = _field(reader, Keys.General.ARCHITECTURE)
 
     def get(key: str, default=None):
@@ -61,13 +60,13 @@ def gguf_config(path: str) -> dict:
     """The Hugging Face `config.json` dict of a GGUF file, from its metadata (what
     `ModelConfig.from_hf_dict` reads); `UserError` for an architecture braid does not serve."""
     reader = _reader(path)
-    family, get = _metadata(reader, path)
+    architecture, get = _metadata(reader, path)
     tensors = {t.name: t for t in reader.tensors}
 
     def values(name: str) -> list[float]:
         return np.asarray(tensors[name].data, dtype=np.float32).tolist()
 
-    return config_dict(family, get, {name: _shape(t) for name, t in tensors.items()}, values)
+    return config_dict(architecture, get, {name: _shape(t) for name, t in tensors.items()}, values)
 
 
 def gguf_control_tokens(path: str) -> dict[int, tuple[str, bool]]:
@@ -143,10 +142,10 @@ def iterate_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, LazyWeig
     reports as unexpected.
     """
     reader = _reader(path)
-    family, _ = _metadata(reader, path)
-    names = tensor_names(family, config.num_layers)
+    mapping = _metadata(reader, path)[0].gguf
+    names = tensor_names(mapping, config.num_layers)
     for tensor in reader.tensors:
-        if tensor.name in ROPE_FACTOR_TENSORS:  # part of the config
+        if tensor.name in mapping.config_tensors:  # part of the config
             continue
         match = _NAME_RE.match(tensor.name)
         base = names.get(match.group(1)) if match else None
@@ -154,8 +153,8 @@ def iterate_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, LazyWeig
             yield tensor.name, GGUFWeight(tensor)
             continue
         name = f"{base}.{match.group(2)}"
-        offset = family.norm_offset if name.endswith("norm.weight") else 0.0
-        permuted = family.rotary_permuted and base.endswith((".q_proj", ".k_proj"))
+        offset = mapping.norm_offset if name.endswith("norm.weight") else 0.0
+        permuted = mapping.rotary_permuted and base.endswith((".q_proj", ".k_proj"))
         head_dim = config.head_dim if permuted else None
         if ".experts." in base:
             for expert in range(_shape(tensor)[0]):

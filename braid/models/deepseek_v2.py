@@ -33,6 +33,14 @@ from braid.layers.partition import split_range
 from braid.layers.rotary import RotaryEmbedding, yarn_mscale
 from braid.loader.model_config import ModelConfig, rope_kind
 from braid.models.common import CausalLM, DecoderLayer, DecoderModel
+from braid.models.config_fields import (
+    COMMON_IMPLEMENTED,
+    COMMON_NO_EFFECT,
+    COMMON_RULES,
+    neutral,
+    table,
+)
+from braid.models.spec import Architecture, RandomModel
 from braid.overlap.operations import YIELD, State
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: the reference code's default
@@ -235,3 +243,77 @@ class DeepseekV2ForCausalLM(CausalLM):
         layer = _LAYER.match(name)
         return super().is_ignored_weight(name) or (
             layer is not None and int(layer.group(1)) >= self.config.num_layers)
+
+
+# The family's spec (braid.models.spec).
+
+# The config fields, with the keys of the original remote-code configs transformers' classes do
+# not define.
+_FIELDS = table(
+    tuple(f for f in COMMON_IMPLEMENTED if f != "head_dim") + (
+        "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "first_k_dense_replace", "moe_intermediate_size", "n_routed_experts",
+        "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group", "topk_method",
+        "scoring_func", "norm_topk_prob", "routed_scaling_factor", "rope_interleave"),
+    COMMON_NO_EFFECT + (
+        # transformers derives both from the rotary and nope dims and overwrites them
+        "head_dim", "qk_head_dim",
+        "pretraining_tp", "output_router_logits",
+        # the remote code's training losses and its expert-parallel layout
+        "aux_loss_alpha", "seq_aux", "ep_size",
+        # V3's multi-token-prediction layers: braid skips their weights and predicts one token
+        "num_nextn_predict_layers"),
+    **COMMON_RULES,
+    mlp_bias=neutral(False, None), attention_bias=neutral(False, None),
+    # The remote code makes a layer MoE when layer % moe_layer_freq == 0 (past the first
+    # dense ones); braid makes every such layer MoE.
+    moe_layer_freq=neutral(1, None))
+
+# The random checkpoints' shapes, V2's and V3's alike.
+_RANDOM_SHAPES = {
+    # Small and deliberately uneven (5 heads, 52 expert columns) so every TP split is tested.
+    "tiny": dict(hidden_size=100, intermediate_size=160, moe_intermediate_size=52,
+                 num_hidden_layers=3, num_attention_heads=5, kv_lora_rank=32,
+                 qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=20, n_routed_experts=8,
+                 first_k_dense_replace=1),
+    # DeepSeek-V2-Lite-like widths with the issue's bench dimensions.
+    "bench": dict(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+                  num_hidden_layers=4, num_attention_heads=16, kv_lora_rank=512,
+                  qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                  n_routed_experts=16, first_k_dense_replace=1, q_lora_rank=1536,
+                  num_experts_per_tok=4, n_shared_experts=1),
+}
+
+
+def _random_presets(router: dict, yarn: dict) -> dict[str, dict]:
+    """The shapes with a version's router and YaRN rotary; the shapes override the router's
+    widths (the bench preset's q LoRA, experts per token, shared experts)."""
+    return {name: {**router, **shapes, "num_key_value_heads": shapes["num_attention_heads"],
+                   "rope_scaling": yarn}
+            for name, shapes in _RANDOM_SHAPES.items()}
+
+
+FAMILY = (
+    Architecture(
+        "DeepseekV2ForCausalLM", DeepseekV2ForCausalLM, model_type="deepseek_v2",
+        hf_config_class="DeepseekV2Config", fields=_FIELDS,
+        random=RandomModel("deepseek_v2", transformers=False, presets=_random_presets(
+            # Softmax scores; the tiny model uses group-limited greedy (the greedy path has a
+            # unit test of its own) and no q LoRA, like V2-Lite.
+            dict(scoring_func="softmax", topk_method="group_limited_greedy", n_group=4,
+                 topk_group=2, num_experts_per_tok=2, n_shared_experts=2, norm_topk_prob=False,
+                 routed_scaling_factor=1.5, q_lora_rank=None),
+            dict(type="yarn", factor=4.0, original_max_position_embeddings=512, beta_fast=32,
+                 beta_slow=1, mscale=0.707, mscale_all_dim=0.707)))),
+    Architecture(
+        "DeepseekV3ForCausalLM", DeepseekV2ForCausalLM, model_type="deepseek_v3",
+        hf_config_class="DeepseekV3Config", fields=_FIELDS,
+        random=RandomModel("deepseek_v3", transformers=False, presets=_random_presets(
+            # Sigmoid scores, correction bias, groups ranked by their two best experts.
+            dict(scoring_func="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2,
+                 num_experts_per_tok=3, n_shared_experts=1, norm_topk_prob=True,
+                 routed_scaling_factor=2.5, q_lora_rank=48, rope_interleave=True),
+            # mscale != mscale_all_dim: the cos/sin magnitude correction is not 1 either.
+            dict(type="yarn", factor=4.0, original_max_position_embeddings=512, beta_fast=32,
+                 beta_slow=1, mscale=1.0, mscale_all_dim=0.8)))),
+)

@@ -21,7 +21,25 @@ from braid.layers.norm import OffsetRMSNorm
 from braid.layers.rotary import RotaryEmbedding
 from braid.loader.model_config import ModelConfig, rope_kind
 from braid.models.common import DecoderModel
+from braid.models.config_fields import (
+    COMMON_IMPLEMENTED,
+    COMMON_NO_EFFECT,
+    LAYER_TYPES_RULE,
+    ROPE,
+    neutral,
+    one_of,
+    table,
+)
 from braid.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from braid.models.spec import (
+    BENCH,
+    TINY,
+    TINY_WINDOW,
+    Architecture,
+    GGUFFile,
+    GGUFMapping,
+    RandomModel,
+)
 from braid.overlap.operations import YIELD, State
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -118,3 +136,110 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def final_residual(self, state: State) -> torch.Tensor:
         return state.take("residual")
+
+
+# The family's spec (braid.models.spec).
+
+def _gemma3_gguf_config(cfg: dict, file: GGUFFile) -> None:
+    """Gemma 3 as llama.cpp runs it (`llama_load_hparams_gemma3` / `case LLM_ARCH_GEMMA3` in
+    src/llama-model.cpp): with a sliding window every sixth layer global unless the file gives
+    a pattern, local layers at rotary base 10000 unless it gives one, and the softmax scale of
+    1/sqrt(head_dim), of 1/sqrt(hidden / heads) for the 62-layer (27B) model, unless it gives
+    `attention.scale`."""
+    from gguf import Keys  # the gguf package only where a GGUF file is read (spec.GGUFMapping)
+
+    get, layers = file.get, cfg["num_hidden_layers"]
+    window = get(Keys.Attention.SLIDING_WINDOW)
+    pattern = get(Keys.Attention.SLIDING_WINDOW_PATTERN)
+    if not window:
+        sliding = [False] * layers
+    elif isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = 6 if pattern is None else int(pattern)
+        # llama_hparams::set_swa_pattern: layer il is local iff il % n < n - 1 (0: all local)
+        sliding = [period == 0 or i % period < period - 1 for i in range(layers)]
+    scale = get(Keys.Attention.SCALE)
+    if scale:
+        query_scalar = 1.0 / float(scale) ** 2
+    elif layers == 62:
+        query_scalar = cfg["hidden_size"] // cfg["num_attention_heads"]
+    else:
+        query_scalar = cfg["head_dim"]
+    full = cfg["rope_parameters"]
+    local = {"rope_type": "default",
+             "rope_theta": float(get(Keys.Rope.FREQ_BASE_SWA, 10000.0))}
+    del cfg["hidden_act"]
+    cfg.update(
+        hidden_activation="gelu_pytorch_tanh",
+        rope_parameters={SLIDING: local, FULL: full},
+        query_pre_attn_scalar=query_scalar,
+        sliding_window=int(window) if window else None,
+        layer_types=[SLIDING if s else FULL for s in sliding],
+        final_logit_softcapping=get(Keys.LLM.FINAL_LOGIT_SOFTCAPPING),
+        attn_logit_softcapping=get(Keys.LLM.ATTN_LOGIT_SOFTCAPPING),
+        attention_bias=False,
+        use_bidirectional_attention=False,
+    )
+
+
+# Gemma has no system role: its text opens the first user turn. The assistant is "model".
+_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' "
+    "else '' %}"
+    "{%- for message in messages if message['role'] != 'system' %}"
+    "{{- '<start_of_turn>' ~ ('model' if message['role'] == 'assistant' else message['role']) "
+    "~ '\\n' ~ (system ~ '\\n\\n' if system and loop.first else '') ~ "
+    "(message['content'] or '') ~ '<end_of_turn>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+)
+
+FAMILY = (
+    Architecture(
+        "Gemma3ForCausalLM", Gemma3ForCausalLM, model_type="gemma3_text",
+        hf_config_class="Gemma3TextConfig",
+        fields=table(
+            COMMON_IMPLEMENTED + (
+                "attention_bias", "query_pre_attn_scalar", "sliding_window",
+                # layer kinds from a pattern (older configs, and transformers' private copy)
+                "sliding_window_pattern", "_sliding_window_pattern",
+                # the local layers' rotary base in configs before transformers 5
+                "rope_local_base_freq"),
+            COMMON_NO_EFFECT + (
+                # a generation-time cache choice
+                "cache_implementation",
+                # not read by transformers' Gemma 3 (hidden_activation is)
+                "hidden_act"),
+            rope_parameters=ROPE, rope_scaling=ROPE, layer_types=LAYER_TYPES_RULE,
+            # GeGLU with tanh
+            hidden_activation=one_of(frozenset({"gelu_pytorch_tanh"})),
+            attn_logit_softcapping=neutral(None), final_logit_softcapping=neutral(None),
+            use_bidirectional_attention=neutral(False, None)),
+        # The norms compute `x * (1 + w)`, llama.cpp's `x * w`: the converter stored `w + 1`.
+        gguf=GGUFMapping("gemma3", _gemma3_gguf_config, norm_offset=1.0),
+        # Local (windowed) and global layers, each kind with its own rotary base; a softmax
+        # scale from query_pre_attn_scalar != head_dim. tiny: [local, global, local] (the
+        # pattern of 2 and the explicit list agree), embeddings untied: tied, the input
+        # embedding (scaled up by sqrt(hidden)) stays large in so shallow a residual stream,
+        # and the tied head then picks the input token again at most positions. bench:
+        # Gemma-3-1B's widths, tied, the last of its 4 layers global.
+        random=RandomModel(
+            "gemma3", chat_template=_CHAT_TEMPLATE, norm_center=0.0, scaled_embedding=True,
+            presets={
+                "tiny": dict(**TINY, head_dim=16, num_hidden_layers=3,
+                             sliding_window=TINY_WINDOW, tie_word_embeddings=False,
+                             sliding_window_pattern=2, layer_types=[SLIDING, FULL, SLIDING],
+                             query_pre_attn_scalar=24, rope_parameters={
+                                 SLIDING: dict(rope_type="default", rope_theta=10000.0),
+                                 FULL: dict(rope_type="default", rope_theta=1e6)}),
+                "bench": dict(**BENCH, hidden_size=1152, intermediate_size=6912,
+                              num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=1, head_dim=256, sliding_window=512,
+                              sliding_window_pattern=4, query_pre_attn_scalar=256,
+                              rope_parameters={
+                                  SLIDING: dict(rope_type="default", rope_theta=10000.0),
+                                  FULL: dict(rope_type="default", rope_theta=1e6)}),
+            })),
+)

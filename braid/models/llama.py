@@ -20,6 +20,14 @@ from braid.layers.partition import partition_heads, split_sizes
 from braid.layers.rotary import RotaryEmbedding
 from braid.loader.model_config import ModelConfig
 from braid.models.common import CausalLM, DecoderLayer, DecoderModel
+from braid.models.config_fields import (
+    COMMON_IMPLEMENTED,
+    COMMON_NO_EFFECT,
+    COMMON_RULES,
+    neutral,
+    table,
+)
+from braid.models.spec import Architecture, GGUFFile, GGUFMapping, RandomModel
 from braid.overlap.operations import YIELD, State, between_pieces
 
 # Builds the per-head norm of queries or keys (Qwen3, Gemma 3) from the head dim.
@@ -158,3 +166,33 @@ class LlamaForCausalLM(CausalLM):
 def per_head_rms_norm(config: ModelConfig, dtype: torch.dtype) -> HeadNorm:
     """Qwen3's `q_norm` / `k_norm`: an RMSNorm over each head's dims."""
     return lambda head_dim: RMSNorm(head_dim, config.rms_norm_eps, dtype)
+
+
+# The family's spec (braid.models.spec).
+
+def llama_gguf_config(cfg: dict, file: GGUFFile) -> None:
+    """Llama's biases, which llama.cpp writes no key for: the file has the tensors or not."""
+    cfg.update(attention_bias="blk.0.attn_q.bias" in file.shapes,
+               mlp_bias="blk.0.ffn_up.bias" in file.shapes)
+
+
+FAMILY = (
+    Architecture(
+        "LlamaForCausalLM", LlamaForCausalLM, model_type="llama", hf_config_class="LlamaConfig",
+        fields=table(
+            COMMON_IMPLEMENTED + ("attention_bias",), COMMON_NO_EFFECT + (
+                # transformers 4 split the MLP GEMMs into this many slices and summed them:
+                # the same product; transformers 5 no longer reads it.
+                "pretraining_tp",),
+            **COMMON_RULES, mlp_bias=neutral(False, None)),
+        # Without experts: a `llama` file with experts is Mixtral's (braid.models.mistral).
+        gguf=GGUFMapping("llama", llama_gguf_config, experts=False, rotary_permuted=True),
+        random=RandomModel("llama", transformers=False, presets={
+            # SmolLM2's heads (9 query, 3 KV: tp 2 splits a KV head's group) at head dim 16,
+            # the smallest the decode operator takes.
+            "tiny": dict(hidden_size=144, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3),
+            "bench": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                          num_attention_heads=16, num_key_value_heads=4),
+        })),
+)

@@ -10,7 +10,23 @@ import torch
 from braid.layers.rotary import RotaryEmbedding
 from braid.loader.model_config import ModelConfig, rope_kind
 from braid.loader.weights import LazyWeight, RowSlice
+from braid.models.config_fields import (
+    COMMON_IMPLEMENTED,
+    COMMON_NO_EFFECT,
+    SILU,
+    rope_rule,
+    table,
+)
 from braid.models.llama import LlamaForCausalLM
+from braid.models.spec import (
+    BENCH,
+    TINY,
+    TINY_WINDOW,
+    Architecture,
+    GGUFFile,
+    GGUFMapping,
+    RandomModel,
+)
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -58,3 +74,57 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             parts.append((f"{base}.{part}.{leaf}", RowSlice(weight, offset, rows)))
             offset += rows
         return parts
+
+
+# The family's spec (braid.models.spec).
+
+# The LongRoPE factors, which llama.cpp writes as tensors (conversion/phi.py, Phi3MiniModel).
+_ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _phi3_gguf_config(cfg: dict, file: GGUFFile) -> None:
+    """Phi-3 (conversion/phi.py, Phi3MiniModel): the original context as rope scaling's, the
+    LongRoPE factors as the tensors `rope_factors_long`/`_short`, the window 0 when none."""
+    from gguf import Keys  # the gguf package only where a GGUF file is read (spec.GGUFMapping)
+
+    original = file.get(Keys.Rope.SCALING_ORIG_CTX_LEN)
+    original = int(original) if original else cfg["max_position_embeddings"]
+    window = file.get(Keys.Attention.SLIDING_WINDOW)
+    cfg.update(original_max_position_embeddings=original,
+               sliding_window=int(window) if window else None)
+    cfg["rope_parameters"].setdefault("partial_rotary_factor", 1.0)  # transformers' Phi-3 has it
+    if _ROPE_FACTOR_TENSORS[0] in file.shapes:
+        long_factor, short_factor = (file.values(name) for name in _ROPE_FACTOR_TENSORS)
+        cfg["rope_parameters"].update(rope_type="longrope", long_factor=long_factor,
+                                      short_factor=short_factor,
+                                      original_max_position_embeddings=original)
+
+
+_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|' ~ message['role'] ~ '|>\\n' ~ (message['content'] or '') ~ '<|end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
+)
+# transformers' Phi-3 config reads only default and LongRoPE; "su" is LongRoPE's older name.
+# Its "yarn" is also renamed to LongRoPE there, so braid must not compute YaRN for it.
+_ROPE = rope_rule(frozenset({"default", "longrope", "su"}))
+
+FAMILY = (
+    Architecture(
+        "Phi3ForCausalLM", Phi3ForCausalLM, model_type="phi3", hf_config_class="Phi3Config",
+        fields=table(
+            COMMON_IMPLEMENTED + ("sliding_window", "original_max_position_embeddings"),
+            COMMON_NO_EFFECT + ("resid_pdrop", "embd_pdrop"),
+            rope_parameters=_ROPE, rope_scaling=_ROPE, hidden_act=SILU),
+        gguf=GGUFMapping("phi3", _phi3_gguf_config, config_tensors=_ROPE_FACTOR_TENSORS),
+        # Fused qkv_proj and gate_up_proj tensors; a window on every layer, as
+        # Phi-3-mini-4k's 2047; bench: Phi-3-mini's widths (multi-head attention).
+        random=RandomModel("phi3", chat_template=_CHAT_TEMPLATE, presets={
+            "tiny": dict(**TINY, num_hidden_layers=2, sliding_window=TINY_WINDOW,
+                         original_max_position_embeddings=2048),
+            "bench": dict(**BENCH, hidden_size=3072, intermediate_size=8192,
+                          num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=32,
+                          sliding_window=2047, original_max_position_embeddings=8192),
+        })),
+)

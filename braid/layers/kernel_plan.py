@@ -1,0 +1,53 @@
+"""`KernelPlan`: which kernels a rank's steps run, decided once when the rank starts
+(`braid.worker.kernels.plan_kernels`, from the host, the engine's settings and the model's
+shapes) and read by the layers when their weights and KV cache are made
+(`braid.layers.quant.make_weight_forms`, `PagedAttention.allocate_cache`). Nothing changes a
+kernel choice afterwards; the defaults are the plain path (ATen and SDPA, token-major cache),
+which a layer built outside a rank (a unit test) gets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from braid.layers import kv_layout
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """One rank's kernel choices (see the module docstring)."""
+
+    # braid's C++ operators are built and loaded here (CPU)
+    operators: bool = False
+    # How the KV cache is laid out (`kv_layout`): token-major for SDPA over gathered blocks;
+    # tokens innermost (or in pairs) where the decode operator or a compiled step reads it
+    kv_layout: str = kv_layout.TOKEN_MAJOR
+    # Decode attention: "operator" (`decode_kernel.paged_decode_attention`, eager and in the
+    # compiled decode graph), or "gathered" (SDPA over the gathered blocks; traced reductions
+    # in a compiled graph)
+    decode_attention: str = "gathered"
+    # Prefill attention: "operator" (`decode_kernel.causal_prefill_attention`), "blocked"
+    # (`attention_ops.blocked_causal_attention`) or "sdpa"
+    prefill_attention: str = "sdpa"
+    # Linear layers' int8 copies for GEMMs of few rows (`--quantization int8`)
+    int8_weights: bool = False
+    # oneDNN's blocked copy of bf16 linear weights, read by GEMMs of at most
+    # `packed_max_rows` rows (None: of any number)
+    packed_weights: bool = False
+    packed_max_rows: int | None = None
+    # One-row GEMMs of a compiled graph through braid's GEMV operator
+    gemv: bool = False
+    # The elementwise work of eager steps compiled (`braid.layers.fused`): on, auto, off
+    fused_elementwise: str = "off"
+    # Why steps run eager (None: compiled steps, once `ModelRunner.prepare_compiled` ran)
+    not_compiled: str | None = "no kernel plan"
+
+    def describe(self) -> str:
+        """One line: what the rank runs."""
+        packed = ("off" if not self.packed_weights else
+                  f"up to {self.packed_max_rows} rows" if self.packed_max_rows else "any rows")
+        return (f"decode attention {self.decode_attention}, prefill attention "
+                f"{self.prefill_attention}, KV layout {self.kv_layout}, packed weights "
+                f"{packed}, int8 weights {'on' if self.int8_weights else 'off'}, GEMV "
+                f"{'on' if self.gemv else 'off'}, compiled steps "
+                f"{self.not_compiled or 'on'}")
