@@ -27,7 +27,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         outputs = llm.generate(args.prompts, params, chat=args.chat)
         if args.verbose:
-            print_run_figures(llm.core.stats(), outputs, time.perf_counter() - start)
+            print_run_figures(llm.core.stats(), outputs, time.perf_counter() - start,
+                              llm.core.executor.ready.kernels)
     for out in outputs:
         if args.json:
             print(json.dumps({"prompt": out.prompt, "text": out.text,
@@ -36,12 +37,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
             print(out.text.strip() if len(outputs) == 1 else f"[{out.prompt}] {out.text.strip()}")
 
 
-def print_run_figures(stats, outputs, seconds: float) -> None:
+def print_run_figures(stats, outputs, seconds: float, kernels: str) -> None:
     """`generate --verbose`: what the run did, to stderr."""
     generated = sum(len(c.token_ids) for out in outputs for c in out.outputs)
     paths = ", ".join(f"{path} {n}" for path, n in sorted(stats.steps_by_path.items()))
     lines = [f"generated {generated} tokens in {seconds:.2f} s ({generated / seconds:.1f} "
-             f"tokens/s, any compiling included); {stats.num_steps} steps: {paths}"]
+             f"tokens/s, any compiling included); {stats.num_steps} steps: {paths}",
+             f"kernels (rank 0): {kernels}"]
     if stats.num_draft_tokens:
         lines.append(f"speculative decoding: {stats.num_accepted_tokens} of "
                      f"{stats.num_draft_tokens} proposed tokens accepted "
@@ -134,21 +136,9 @@ def cmd_make_random_model(args: argparse.Namespace) -> None:
     print(f"wrote {args.arch} ({args.preset}) to {out}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `braid` argument parser with all its subcommands. The flags of a command's settings
-    come from their declarations (`braid.settings`); only a command's own switches are
-    written here."""
-    from braid.bench.harness import OneBatch
-    from braid.bench.offline import OfflineConfig
-    from braid.bench.serving import ServingConfig
+def _generate_flags(gen: argparse.ArgumentParser) -> None:
     from braid.engine.request import SamplingParams
-    from braid.eval.mmlu import MmluConfig
-    from braid.server.settings import ServeSettings
 
-    parser = argparse.ArgumentParser(prog="braid", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate text for one or more prompts")
     add_arguments(gen, EngineConfig)
     add_arguments(gen, SamplingParams, only=GENERATE_SAMPLING)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
@@ -156,68 +146,73 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object per prompt: prompt, text, token_ids")
     gen.add_argument("--verbose", action="store_true",
                      help="print the run's figures to stderr: tokens, steps by path, decode "
-                          "speed, speculative decoding's acceptance")
+                          "speed, speculative decoding's acceptance, the kernels")
     gen.add_argument("--json-schema", default=None, metavar="FILE",
                      help="constrain the output to JSON following this JSON schema")
     gen.add_argument("--regex", default=None,
                      help="constrain the output to text matching this regular expression")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
-    gen.set_defaults(func=cmd_generate)
 
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+
+def _serve_flags(serve: argparse.ArgumentParser) -> None:
+    from braid.server.settings import ServeSettings
+
     add_arguments(serve, EngineConfig)
     add_arguments(serve, ServeSettings)
-    serve.set_defaults(func=cmd_serve)
 
-    serving = sub.add_parser("bench-serving",
-                             help="SGLang's bench_serving against an OpenAI-compatible server")
+
+def _bench_serving_flags(serving: argparse.ArgumentParser) -> None:
+    from braid.bench.serving import ServingConfig
+
     add_arguments(serving, ServingConfig)
-    serving.set_defaults(func=cmd_bench_serving)
 
-    offline = sub.add_parser("bench-offline",
-                             help="bench-serving's requests through the offline engine")
+
+def _bench_offline_flags(offline: argparse.ArgumentParser) -> None:
+    from braid.bench.offline import OfflineConfig
+
     add_arguments(offline, EngineConfig)
     add_arguments(offline, OfflineConfig)
-    offline.set_defaults(func=cmd_bench_offline)
 
-    plot = sub.add_parser("plot", help="bar charts across the rows of result JSONL files")
+
+def _plot_flags(plot: argparse.ArgumentParser) -> None:
     plot.add_argument("files", nargs="+", metavar="FILE.jsonl",
                       help="bench-one-batch, bench-serving, bench-offline or eval-mmlu rows")
     plot.add_argument("--out", required=True, metavar="F.png")
-    plot.set_defaults(func=cmd_plot)
 
-    mmlu = sub.add_parser("eval-mmlu", help="MMLU accuracy (original 5-shot prompt)")
+
+def _eval_mmlu_flags(mmlu: argparse.ArgumentParser) -> None:
+    from braid.eval.mmlu import MmluConfig
+
     add_arguments(mmlu, EngineConfig)
     add_arguments(mmlu, MmluConfig)
-    mmlu.set_defaults(func=cmd_eval_mmlu)
 
-    bench = sub.add_parser("bench-one-batch",
-                           help="latency of one static batch: prefill, then decode steps")
+
+def _bench_one_batch_flags(bench: argparse.ArgumentParser) -> None:
+    from braid.bench.harness import OneBatch
+
     add_arguments(bench, EngineConfig)
     add_arguments(bench, OneBatch)
-    bench.set_defaults(func=cmd_bench_one_batch)
 
-    attn = sub.add_parser("bench-attention",
-                          help="each attention path at the engine's shapes, side by side")
+
+def _bench_attention_flags(attn: argparse.ArgumentParser) -> None:
     attn.add_argument("--model", default=None, help="whose head counts and head dim to use "
                                                     "(default: the embedded model)")
     attn.add_argument("--tp", type=int, default=1, help="shape of rank 0's heads at this tp")
     attn.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     attn.add_argument("--repeat", type=int, default=20, help="timed calls per path (median)")
     attn.add_argument("--result-file", default=None, help="append one JSONL row per path")
-    attn.set_defaults(func=cmd_bench_attention)
 
-    comm = sub.add_parser("bench-comm", help="collective latency and bandwidth per backend")
+
+def _bench_comm_flags(comm: argparse.ArgumentParser) -> None:
     comm.add_argument("--tp", type=int, default=2)
     comm.add_argument("--backend", choices=["shm", "torch", "both"], default="both")
     comm.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     comm.add_argument("--sizes", default="4K,64K,1M,4M,16M",
                       help="comma-separated byte counts with K/M/G suffixes")
     comm.add_argument("--result-file", default=None, help="append one JSONL row per measurement")
-    comm.set_defaults(func=cmd_bench_comm)
-    dpl = sub.add_parser("bench-dp-linear",
-                         help="per-rank time of a model's fused replicated projection: "
-                              "replicated vs DataParallelLinear (token split + all-gather)")
+
+
+def _bench_dp_linear_flags(dpl: argparse.ArgumentParser) -> None:
     dpl.add_argument("--model", required=True, help="a DeepSeek folder (its config is read)")
     dpl.add_argument("--tp", type=int, default=2)
     dpl.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
@@ -226,11 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="comma-separated token counts")
     dpl.add_argument("--repeat", type=int, default=5, help="timed runs per point (median)")
     dpl.add_argument("--result-file", default=None, help="append one JSONL row per point")
-    dpl.set_defaults(func=cmd_bench_dp_linear)
 
-    rand = sub.add_parser("make-random-model",
-                          help="write a random-weight Hugging Face folder (config, safetensors, "
-                               "the embedded model's tokenizer)")
+
+def _make_random_model_flags(rand: argparse.ArgumentParser) -> None:
     from braid.random_model import ARCHS, PRESETS
 
     rand.add_argument("--arch", choices=ARCHS, required=True)
@@ -241,13 +234,54 @@ def build_parser() -> argparse.ArgumentParser:
     rand.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                       help="stored dtype (default: fp32 for tiny, bf16 for bench)")
     rand.add_argument("out_dir", metavar="OUT_DIR")
-    rand.set_defaults(func=cmd_make_random_model)
+
+
+# Every command: its help line, what adds its flags, and what runs it
+COMMANDS = {
+    "generate": ("generate text for one or more prompts", _generate_flags, cmd_generate),
+    "serve": ("an OpenAI-compatible HTTP server", _serve_flags, cmd_serve),
+    "bench-serving": ("SGLang's bench_serving against an OpenAI-compatible server",
+                      _bench_serving_flags, cmd_bench_serving),
+    "bench-offline": ("bench-serving's requests through the offline engine",
+                      _bench_offline_flags, cmd_bench_offline),
+    "plot": ("bar charts across the rows of result JSONL files", _plot_flags, cmd_plot),
+    "eval-mmlu": ("MMLU accuracy (original 5-shot prompt)", _eval_mmlu_flags, cmd_eval_mmlu),
+    "bench-one-batch": ("latency of one static batch: prefill, then decode steps",
+                        _bench_one_batch_flags, cmd_bench_one_batch),
+    "bench-attention": ("each attention path at the engine's shapes, side by side",
+                        _bench_attention_flags, cmd_bench_attention),
+    "bench-comm": ("collective latency and bandwidth per backend", _bench_comm_flags,
+                   cmd_bench_comm),
+    "bench-dp-linear": ("per-rank time of a model's fused replicated projection: replicated "
+                        "vs DataParallelLinear (token split + all-gather)",
+                        _bench_dp_linear_flags, cmd_bench_dp_linear),
+    "make-random-model": ("write a random-weight Hugging Face folder (config, safetensors, the "
+                          "embedded model's tokenizer)", _make_random_model_flags,
+                          cmd_make_random_model),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `braid` argument parser with all its subcommands. The flags of a command's settings
+    come from their declarations (`braid.settings`); only a command's own switches are
+    written here. With `command`, only that command gets its flags (the others their name and
+    help line), so that a process loads only what its own command needs: `braid serve`'s API
+    process no model code."""
+    parser = argparse.ArgumentParser(prog="braid", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add_flags, run) in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=help_text)
+        if command is None or command == name:
+            add_flags(command_parser)
+        command_parser.set_defaults(func=run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: exit 0 on success, 2 for a user error, 1 when a rank failed."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((word for word in argv if not word.startswith("-")), "")
+    args = build_parser(command if command in COMMANDS else "").parse_args(argv)
     # SIGTERM exits through Python's shutdown, so ranks are stopped and shm segments removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     warnings.formatwarning = lambda msg, cat, *a, **k: f"warning: {msg}\n"

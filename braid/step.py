@@ -3,7 +3,7 @@
 - `StepPlan`: one forward step, from the driver's scheduler to every rank (each builds a
   `braid.layers.forward_batch.ForwardBatch` from it);
 - `StepResult`: rank 0's answer (sampled tokens, logprobs, the path the step took);
-- `CompileStatus`: each rank's answer to "ready";
+- `RankReady`: each rank's answer to "ready";
 - `SequenceDelta`: what a step did for one sequence, from the engine core to the front ends
   (`braid.frontend`, the server's API process).
 
@@ -159,9 +159,11 @@ class SequenceDelta:
 
 
 @dataclass(frozen=True)
-class CompileStatus:
-    """A rank's answer to "ready": why its steps cannot be compiled (None: they can), and
-    whether its decode graphs are saved (a warm start loads them in seconds)."""
+class RankReady:
+    """A rank's answer to "ready": why its steps cannot be compiled (None: they can), whether
+    its decode graphs are saved (a warm start loads them in seconds), and its kernel plan in a
+    line (`KernelPlan.describe`)."""
 
     not_compiled: str | None
     cached: bool
+    kernels: str = ""

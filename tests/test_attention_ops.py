@@ -16,6 +16,8 @@ from braid.layers.attention_ops import (
     prefix_causal_mask,
     traced_decode_attention,
 )
+from braid.layers.kernel_plan import KernelPlan
+from braid.worker.kernels import cache_layout
 
 HEADS = [(9, 3), (4, 4), (6, 1)]  # (query heads, KV heads)
 
@@ -125,8 +127,14 @@ def paged_attention(hq, hk, dim, tokens_innermost, num_blocks=12, block_size=4,
 
     attn = PagedAttention(hq, hk, dim)
     attn.allocate_cache(num_blocks, block_size, dtype, torch.device("cpu"),
-                        tokens_innermost=tokens_innermost)
+                        layout_plan(dtype, block_size, dim, tokens_innermost))
     return attn
+
+
+def layout_plan(dtype: torch.dtype, block_size: int, head_dim: int,
+                tokens_innermost: bool) -> KernelPlan:
+    """A kernel plan with the cache layout a rank's plan gives these shapes."""
+    return KernelPlan(kv_layout=cache_layout(dtype, block_size, head_dim, tokens_innermost))
 
 
 def test_both_cache_layouts_store_and_gather_the_same_tokens():
@@ -326,7 +334,8 @@ def test_the_decode_kernel_serves_a_rank_of_unequal_groups(heads, kv_heads, tp):
     gen = torch.Generator().manual_seed(tp)
     for shard in partition_heads(heads, kv_heads, tp):
         attn = PagedAttention(shard.q_count, shard.kv_count, 64, shard.runs())
-        attn.allocate_cache(16, 16, torch.float32, torch.device("cpu"), tokens_innermost=True)
+        attn.allocate_cache(16, 16, torch.float32, torch.device("cpu"),
+                            layout_plan(torch.float32, 16, 64, tokens_innermost=True))
         fill_cache(attn, gen)
         assert decode_kernel.attention_fits(attn.padded_heads, attn.k_cache, torch.float32)
         lengths = [40, 17, 1]

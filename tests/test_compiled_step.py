@@ -8,9 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from braid.config import EngineConfig
 from braid.distributed.comm import SkipCommunicator
+from braid.engine.core import auto_compile_pays
+from braid.layers import decode_kernel, kv_layout
 from braid.layers.forward_batch import ForwardBatch
-from braid.layers.quant import Quantizable
+from braid.layers.kernel_plan import KernelPlan
+from braid.layers.quant import Quantizable, make_weight_forms
 from braid.loader.model_config import load_model_config
 from braid.models.registry import model_class
 from braid.overlap.operations import YIELD
@@ -20,10 +24,9 @@ from braid.worker.compiled_step import (
     WARM_UP_ROWS,
     CompiledDecodeStep,
     CompiledPieces,
-    auto_compile_pays,
-    compile_applies,
     warm_up_plans,
 )
+from braid.worker.kernels import compile_applies, plan_kernels
 
 
 @pytest.fixture(scope="module")
@@ -120,21 +123,37 @@ def test_decode_block_tables_wider_than_the_keys_come_out_contiguous():
     assert tables.tolist() == plan.block_tables[:, :2].tolist()
 
 
-def test_decode_attention_uses_the_kernel_where_the_cache_fits_it(tiny_model):
-    """The C++ decode operator reads the tokens-innermost layout the compiled step allocates;
-    a token-major cache keeps the traced kernel."""
+def test_the_kernel_plan_reads_decode_through_the_operator_where_it_fits(tiny_model,
+                                                                         model_path):
+    """One plan per rank decides: SmolLM2's heads take the C++ decode operator, whose layout
+    (tokens innermost, or in pairs) compiled steps share; the layers follow it as their caches
+    are made. A block size the operator does not take leaves decode on SDPA and, with steps not
+    compiled, the cache token-major; so does a GPU."""
+    def plan(**settings):
+        return plan_kernels(EngineConfig.create(model=model_path, dtype="bf16", **settings),
+                            tiny_model)
+
     layers = tiny_model.attention_layers()
-    compiled_step.use_decode_kernels(tiny_model)  # the fixture's caches are token-major
-    assert not any(attn.use_decode_kernel for attn in layers)
+    assert not any(attn.decode_operator for attn in layers)  # the fixture's plain caches
+    fitting = plan()
+    assert fitting.decode_attention == "operator" and fitting.not_compiled is None
+    assert fitting.kv_layout in (kv_layout.TOKENS_INNERMOST, kv_layout.PAIRS)
     try:
         for attn in layers:
-            attn.allocate_cache(4, 16, torch.bfloat16, torch.device("cpu"), tokens_innermost=True)
-        compiled_step.use_decode_kernels(tiny_model)
-        assert all(attn.use_decode_kernel for attn in layers)
+            attn.allocate_cache(4, 16, torch.bfloat16, torch.device("cpu"), fitting)
+        assert all(attn.decode_operator for attn in layers)
+        assert all(decode_kernel.attention_fits(attn.padded_heads, attn.k_cache, torch.bfloat16)
+                   for attn in layers)
     finally:
         for attn in layers:
             attn.allocate_cache(4, 16, torch.bfloat16, torch.device("cpu"))
-            attn.use_decode_kernel = False
+    odd = plan(block_size=8, compile="off")
+    assert odd.decode_attention == "gathered" and odd.kv_layout == kv_layout.TOKEN_MAJOR
+    assert odd.not_compiled == "--compile off"
+    gpu = plan(device="cuda")  # eager, SDPA, no elementwise compiling unless asked
+    assert gpu.decode_attention == "gathered" and gpu.kv_layout == kv_layout.TOKEN_MAJOR
+    assert "CPU" in gpu.not_compiled and gpu.fused_elementwise == "off"
+    assert not (gpu.operators or gpu.packed_weights or gpu.gemv)
 
 
 needs_avx512_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
@@ -147,7 +166,6 @@ def test_the_gemv_operator_matches_the_reference(rows, columns):
     """One row against a row-major weight, bf16 or int8 with scales, against the fp64
     product: 8 rows at a time, then the remainder (45, 7, 13) one by one; int8 rows a cache
     line at a time, then the rest of a row (96) in chunks."""
-    from braid.layers import decode_kernel
     from braid.layers.quant import Int8Weight
 
     assert decode_kernel.load()
@@ -189,7 +207,7 @@ def test_one_row_products_in_a_compiled_graph_take_the_gemv(tiny_model):
     the dense GEMM; the results agree with eager."""
     from braid.layers.quant import linear
 
-    compiled_step.use_decode_kernels(tiny_model)
+    make_weight_forms(tiny_model, KernelPlan(gemv=True))
     assert all(m.gemv for m in tiny_model.modules() if isinstance(m, Quantizable))
     weight = torch.randn(96, 64).to(torch.bfloat16)
     graphs = []

@@ -60,16 +60,14 @@ def test_blocked_prefill_attention_answers_as_sdpa(runner, prompt_ids, reference
     """The prefill kernel of bf16 hosts without AMX, forced on here in fp32, gives SDPA's
     tokens: a fresh prompt alone (the batched call), prompts of unequal lengths together (one
     call each) and chunks that attend to their cached prefix."""
-    import braid.layers.attention as attention
-
     calls = []
 
     def blocked(*args):
         calls.append(args[0].shape)
         return attention_ops.blocked_causal_attention(*args)
 
-    monkeypatch.setattr(attention, "blocked_prefill_is_faster", lambda dtype, device: True)
-    monkeypatch.setattr(attention, "blocked_causal_attention", blocked)
+    for attn in runner.model.attention_layers():  # as a plan of such a host chooses it
+        monkeypatch.setattr(attn, "prefill_kernel", blocked)
     if steps == "one prompt a step":
         outputs = [generate(runner, [p])[0][0] for p in prompt_ids]
     else:
@@ -290,7 +288,8 @@ def test_the_prefill_kernel_is_as_close_to_fp32_as_the_path_it_replaces(
     nearly everywhere. Straying is the mean absolute error over the prompt's logits: the
     largest one is a single near-tie of bf16 rounding, which swapped sides (0.87 against
     1.35, 2.32 against 1.51) when only the norm's rounding changed."""
-    import braid.layers.attention as attention
+    from braid.layers.attention import PREFILL_KERNELS
+    from braid.worker.kernels import blocked_prefill_is_faster
 
     text = sum(prompt_ids, []) * 40
     prompts = ([text[:300], text[50:350]] if lengths == "equal"
@@ -299,18 +298,20 @@ def test_the_prefill_kernel_is_as_close_to_fp32_as_the_path_it_replaces(
     config = EngineConfig.create(model=runner.engine.model, dtype="bf16", max_total_tokens=4096)
     core = EngineCore(config, bf16_runner.config, RunnerExecutor(bf16_runner))
     layers = list(bf16_runner.model.attention_layers())
-    assert all(attn.use_prefill_kernel for attn in layers)
+    assert all(attn.prefill_kernel is decode_kernel.causal_prefill_attention for attn in layers)
     calls = []
 
     def counted(*args):
         calls.append(args[0].shape)
         return decode_kernel.causal_prefill_attention(*args)
 
-    monkeypatch.setattr(attention, "causal_prefill_attention", counted)
+    for attn in layers:
+        monkeypatch.setattr(attn, "prefill_kernel", counted)
     with_kernel = core.prompt_logits(prompts)
     assert len(calls) == len(layers) * (1 if lengths == "equal" else 2)
-    for attn in layers:
-        monkeypatch.setattr(attn, "use_prefill_kernel", False)
+    replaced = "blocked" if blocked_prefill_is_faster(torch.bfloat16, "cpu") else "sdpa"
+    for attn in layers:  # the plan's choice without the operator
+        monkeypatch.setattr(attn, "prefill_kernel", PREFILL_KERNELS[replaced])
     without = core.prompt_logits(prompts)
     for kernel, other, fp32 in zip(with_kernel, without, exact):
         kernel_error, other_error = ((x - fp32).abs().mean().item() for x in (kernel, other))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from braid import native
 from braid.layers import fused
 
 
@@ -22,9 +23,9 @@ def kernels():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_kernels_equal_eager(kernels, dtype):
-    fused.configure_compile("on")
+    # the compiled norm, as where the C++ one is not built (CUDA, fp16)
+    fused.configure_compile("on", native=False)
     assert kernels.compiled is not None, "torch.compile failed on this host"
-    kernels.native = False  # the compiled norm, as where the C++ one is not built (CUDA, fp16)
     gen = torch.Generator().manual_seed(0)
     for rows in (fused.COMPILED_MIN_TOKENS, 300):
         x = torch.randn(rows, 576, generator=gen).to(dtype)
@@ -50,8 +51,8 @@ def test_weights_marked_static_share_one_compiled_norm(kernels):
     """The compiled steps mark the model's tensors static (`compiled_step.mark_static`); the
     norms of steps that run eager (compiled elementwise) must still share one graph across
     layers."""
-    fused.configure_compile("on")
-    kernels.native = False  # the compiled norm, as where the C++ one is not built (CUDA, fp16)
+    # the compiled norm, as where the C++ one is not built (CUDA, fp16)
+    fused.configure_compile("on", native=False)
     x = torch.randn(fused.COMPILED_MIN_TOKENS, 576).bfloat16()
     weights = [torch.nn.Parameter(torch.randn(576).bfloat16(), requires_grad=False)
                for _ in range(3)]
@@ -82,7 +83,7 @@ def test_the_one_pass_eager_rms_norm_equals_the_formula(dtype):
 def test_the_native_rms_norm_equals_the_formula(kernels, dtype):
     """On CPU every norm outside a compiled graph is the C++ operator, at any row count, with
     vector tails (a width of 100) and leading dims (per-head norms)."""
-    fused.configure_compile("off")
+    fused.configure_compile("off", native=native.load())
     assert kernels.native, "decode_kernel's library did not build on this host"
     gen = torch.Generator().manual_seed(3)
     tolerance = 1e-6 if dtype == torch.float32 else 2 ** -7
@@ -97,13 +98,11 @@ def test_the_native_rms_norm_equals_the_formula(kernels, dtype):
 
 def test_small_steps_and_off_stay_eager(kernels):
     eager = fused._rms_norm_eager
-    fused.configure_compile("off")
+    fused.configure_compile("off", native=False)
     assert kernels.pick("rms_norm", 4096) is eager
-    fused.configure_compile("auto")
+    fused.configure_compile("auto", native=False)
     assert kernels.pick("rms_norm", fused.COMPILED_MIN_TOKENS - 1) is eager
     assert kernels.compiled is None  # auto compiles only when a large step needs it
-    fused.configure_compile("auto", device="cuda")
-    assert kernels.pick("rms_norm", 4096) is eager
 
 
 def test_a_failing_compiler_warns_and_stays_eager(kernels, monkeypatch):
@@ -112,5 +111,5 @@ def test_a_failing_compiler_warns_and_stays_eager(kernels, monkeypatch):
 
     monkeypatch.setattr(torch, "compile", broken)
     with pytest.warns(UserWarning, match="torch.compile failed.*no C.. compiler.*running eager"):
-        fused.configure_compile("on")
+        fused.configure_compile("on", native=False)
     assert kernels.pick("rotate", 4096) is fused._rotate

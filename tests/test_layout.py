@@ -136,10 +136,13 @@ def test_module_level_imports_have_no_cycle():
 
 @pytest.mark.timeout(120)
 def test_the_api_process_loads_no_model_code(model_path):
-    """The server's API process, with its tokenizer loaded from the GGUF file, holds no module
-    of the model, its layers or the ranks (it gets the model's config from the engine)."""
+    """The server's API process (`braid serve`'s flags parsed, the server's modules and the
+    tokenizer loaded from the GGUF file) holds no module of the model, its layers or the ranks
+    (it gets the model's config from the engine)."""
     script = (
         "import sys\n"
+        "from braid.cli import build_parser\n"
+        "build_parser('serve').parse_args(['serve', '--tp', '2'])\n"
         "import braid.server.serve, braid.server.api\n"
         "from braid.loader.tokenizer import load_tokenizer\n"
         f"load_tokenizer({model_path!r})\n"

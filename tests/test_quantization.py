@@ -80,7 +80,8 @@ class PackedGemmCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-# (`PACKED_MAX_ROWS`, rows): within the limit, just past it, any number without one (no AMX)
+# (the plan's `packed_max_rows`, rows): within the limit, just past it, any number without one
+# (no AMX)
 PACKING_LIMITS = [(256, 1), (256, 7), (256, 256), (256, 257), (None, 300)]
 
 
@@ -90,10 +91,9 @@ def packed(rows: int, limit: int | None) -> bool:
 
 @needs_packing
 @pytest.mark.parametrize(("limit", "rows"), PACKING_LIMITS)
-def test_packed_weights_give_the_row_major_gemm(limit, rows, monkeypatch):
-    """Up to `PACKED_MAX_ROWS` rows (any number where it is None) through the packed weight,
-    more through the row-major one (kept beside it), the same product either way."""
-    monkeypatch.setattr(quant, "PACKED_MAX_ROWS", limit)
+def test_packed_weights_give_the_row_major_gemm(limit, rows):
+    """Up to the limit's rows (any number where it is None) through the packed weight, more
+    through the row-major one (kept beside it), the same product either way."""
     gen = torch.Generator().manual_seed(rows)
     layer = RowParallelLinear(96, 80, SkipCommunicator(0, 1), reduce=False, bias=True,
                               dtype=torch.bfloat16)
@@ -101,7 +101,7 @@ def test_packed_weights_give_the_row_major_gemm(limit, rows, monkeypatch):
     layer.bias.data.normal_(generator=gen)
     x = torch.randn(rows, 96, generator=gen).bfloat16()
     expected = F.linear(x, layer.weight, layer.bias)
-    pack_linear_layers(layer)
+    pack_linear_layers(layer, limit)
     assert layer.packed is not None
     with PackedGemmCalls() as calls:
         same_gemm(layer(x), expected)
@@ -119,7 +119,7 @@ def test_a_packed_lm_head_gives_row_major_logits(tied):
         head.weight.data.copy_(embedding.weight.data.flip(0))
     hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     expected = F.linear(hidden, head.quantizable_weight())
-    pack_linear_layers(head)
+    pack_linear_layers(head, None)
     assert head.packed is not None
     logits = head(hidden)
     assert logits.is_contiguous() and logits.dtype == torch.float32
@@ -153,7 +153,7 @@ def test_a_tensor_parallel_lm_head_places_each_ranks_columns(dtype):
         embedding = VocabParallelEmbedding(vocab, hidden_size, _TwoRankGather(rank, box), dtype)
         embedding.weight.data.copy_(full[embedding.start:embedding.start + embedding.size])
         head = ParallelLMHead(embedding, tied=True)
-        pack_linear_layers(head)
+        pack_linear_layers(head, None)
         assert (head.packed is not None) == packing_supported(full)
         logits[rank] = head(hidden)
     assert logits[1].shape == (0, vocab)
@@ -163,19 +163,17 @@ def test_a_tensor_parallel_lm_head_places_each_ranks_columns(dtype):
 
 def test_fp32_weights_stay_row_major():
     layer = RowParallelLinear(16, 8, SkipCommunicator(0, 1))
-    pack_linear_layers(layer)
+    pack_linear_layers(layer, None)
     assert layer.packed is None and layer.weight is not None
 
 
 @needs_packing
 @pytest.mark.parametrize(("limit", "rows"), [(256, 1), (256, 7), (256, 300), (None, 300)])
-def test_the_gated_mlp_activation_computes_silu_times_up(limit, rows, monkeypatch):
+def test_the_gated_mlp_activation_computes_silu_times_up(limit, rows):
     """`gated_silu` on the packed halves: silu(gate) * up of the merged projection, computed
     in fp32 from the same bf16 operands, within bf16 rounding of the result. The MLP reads
-    its packed weights up to `PACKED_MAX_ROWS` rows, the row-major ones beyond."""
+    its packed weights up to the limit's rows, the row-major ones beyond."""
     from braid.layers.mlp import GatedMLP
-
-    monkeypatch.setattr(quant, "PACKED_MAX_ROWS", limit)
 
     torch.manual_seed(0)
     mlp = GatedMLP(64, 96, SkipCommunicator(0, 1), torch.bfloat16)
@@ -184,7 +182,7 @@ def test_the_gated_mlp_activation_computes_silu_times_up(limit, rows, monkeypatc
         mlp.down_proj.weight.copy_(torch.randn(64, 96) * 0.1)
     merged = mlp.gate_up_proj.weight.detach().float()
     x = torch.randn(rows, 64).bfloat16()
-    pack_linear_layers(mlp)
+    pack_linear_layers(mlp, limit)
     assert mlp.gate_up_proj.packed_halves is not None and mlp.gate_up_proj.packed is None
     gate, up = (x.float() @ merged.T).chunk(2, dim=-1)
     expected = F.silu(gate) * up

@@ -32,7 +32,6 @@ from braid.layers import decode_kernel
 from braid.layers.attention_ops import (
     batched_causal_attention,
     blocked_causal_attention,
-    blocked_prefill_is_faster,
     causal_attention,
     decode_attention,
     prefix_causal_mask,
@@ -40,6 +39,7 @@ from braid.layers.attention_ops import (
 from braid.layers.partition import partition_heads
 from braid.loader.model_config import load_model_config
 from braid.platform import usable_cores
+from braid.worker.kernels import blocked_prefill_is_faster
 
 DECODE_SHAPES = [(1, 128), (1, 512), (8, 512), (32, 128), (32, 512), (64, 1024)]
 PREFILL_SHAPES = [(1, 128, 0), (1, 512, 0), (8, 512, 0), (1, 2048, 0), (1, 512, 1536),
@@ -108,7 +108,7 @@ def prefill_paths(batch: int, tokens: int, prefix: int, hq: int, hk: int, dim: i
                         for b in range(batch)]
     blocked = lambda: blocked_causal_attention(q, keys, values, scale)  # noqa: E731
     paths = {"sdpa-padded": padded, "engine": sdpa, "sdpa": sdpa, "blocked-matmul": blocked}
-    if blocked_prefill_is_faster(dtype, q.device):
+    if blocked_prefill_is_faster(dtype, q.device.type):
         paths["engine"] = blocked
     if decode_kernel.prefill_fits(hq, hk, dim, dtype) and decode_kernel.load():
         paths["engine"] = paths["brgemm-operator"] = lambda: decode_kernel.causal_prefill_attention(

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from braid import native
 from braid.config import DTYPES, resolve_dtype
 from braid.distributed.comm import Communicator, TorchCommunicator
 from braid.distributed.ranks.local import LocalRankGroup
@@ -79,7 +80,7 @@ def _block_sum(comm: Communicator, partial: torch.Tensor,
 def bench_comm_worker(rank: int, world_size: int, conn, backends: list[str], sizes: list[int],
                       dtype: str, segment: ShmSegment | None) -> None:
     """Rank entry point: measure every backend, op and size; rank 0 answers the rows."""
-    configure_compile("auto")
+    configure_compile("auto", native.load())  # as a rank configures it
     rows = []
     for backend in backends:
         comm = (ShmCommunicator(rank, segment) if backend == "shm"

@@ -154,6 +154,10 @@ class BraidWorkload:
         """What `auto` chose per step bucket (empty where nothing was left to choose)."""
         return self.llm.core.chooser.choices()
 
+    def kernels(self) -> str:
+        """Rank 0's kernel plan, in a line."""
+        return self.llm.core.executor.ready.kernels
+
     def close(self) -> None:
         self.llm.close()
 

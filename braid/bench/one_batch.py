@@ -49,8 +49,12 @@ def run_bench_one_batch(engine: EngineConfig, bench: OneBatch) -> list[dict]:
         else:
             result = timed(workload, prompts, bench.output_len, bench.warmup)
             choices = getattr(workload, "choices", dict)()
-            row = base_row(engine, bench, **({"auto_choices": choices} if choices else {}))
+            kernels = getattr(workload, "kernels", str)()
+            row = base_row(engine, bench, **({"auto_choices": choices} if choices else {}),
+                           **({"kernels": kernels} if kernels else {}))
             print_header(row)
+            if kernels:
+                print(f"Kernels: {kernels}")
             row.update(print_result(result, bench.batch_size, bench.input_len, bench.output_len))
             if choices:
                 print("auto chose: " + "; ".join(f"{k} {v}" for k, v in choices.items()))

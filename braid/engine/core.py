@@ -94,7 +94,7 @@ class EngineCore:
         """Compile (or load saved) steps where `--compile` asks for them: `on` at once, `auto`
         for a server or benchmark (`job_tokens` None) and for a job whose tokens to generate
         repay it (`auto_compile_pays`); prints what it does. Once per engine."""
-        status, mode = self.executor.compile_status, self.config.compile.mode
+        status, mode = self.executor.ready, self.config.compile.mode
         if self.compiled or mode == "off":
             return
         if status.not_compiled is not None:

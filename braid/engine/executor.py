@@ -21,7 +21,7 @@ from braid.distributed.shm import ShmSegment, activation_slot_bytes
 from braid.loader.model_config import ModelConfig
 from braid.loader.weight_cache import prepare_gguf_weights
 from braid.models.registry import model_class
-from braid.step import CompileStatus, StepPlan, StepResult
+from braid.step import RankReady, StepPlan, StepResult
 
 # A rank's entry point (`braid.worker.worker.worker_main`), and the class a one-rank model in
 # the driver's own process runs on (the draft model of `--speculative draft`)
@@ -32,7 +32,7 @@ MODEL_RUNNER = "braid.worker.model_runner:ModelRunner"
 class Executor(Protocol):
     """Runs step plans on the model: the rank processes, or a runner in this process."""
 
-    compile_status: CompileStatus
+    ready: RankReady
 
     def step(self, plan: StepPlan,
              fill_masks: Callable[[], np.ndarray] | None = None) -> StepResult:
@@ -84,9 +84,9 @@ class RankExecutor:
             raise
 
     def wait_ready(self) -> None:
-        """Wait until every rank has loaded its shard; rank 0's `compile_status` is kept."""
+        """Wait until every rank has loaded its shard; rank 0's `ready` is kept."""
         try:
-            self.compile_status = self.ranks.gather()[0]
+            self.ready = self.ranks.gather()[0]
         except BaseException:
             self.ranks.close()
             raise

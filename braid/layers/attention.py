@@ -12,28 +12,30 @@ from braid.layers import kv_layout
 from braid.layers.attention_ops import (
     batched_causal_attention,
     blocked_causal_attention,
-    blocked_prefill_is_faster,
     causal_attention,
     decode_attention,
     sliding_key_mask,
     traced_decode_attention,
 )
-from braid.layers.decode_kernel import (
-    causal_prefill_attention,
-    paged_decode_attention,
-    pairs_fit,
-)
+from braid.layers.decode_kernel import causal_prefill_attention, paged_decode_attention
 from braid.layers.forward_batch import AttentionMetadata, ForwardBatch
+from braid.layers.kernel_plan import KernelPlan
+
+PLAIN = KernelPlan()  # a layer's kernels outside a rank: token-major cache, ATen and SDPA
+# The prefill kernels a plan may name, taking `[B, T, H, D]` queries over `[B, L, Hk, D]` keys
+# (the last T their own); None: SDPA (`causal_attention`, `batched_causal_attention`)
+PREFILL_KERNELS = {"operator": causal_prefill_attention, "blocked": blocked_causal_attention,
+                   "sdpa": None}
 
 
 class PagedAttention(nn.Module):
     """Writes the step's keys and values into the cache, then attends over each sequence's keys.
 
     The cache tensors (`[num_blocks, block_size, kv_heads, head_dim]` in one of `kv_layout`'s
-    layouts, which `allocate_cache` picks) are attached by the model runner after it has sized
-    the cache. An int8 cache (`--kv-cache-dtype int8`) comes with `k_scales` and `v_scales`,
-    `[num_blocks, block_size, kv_heads]` float32: a stored row is its int8 values times its
-    scale (`quantize_rows`).
+    layouts, as the rank's `KernelPlan` says) are made by `allocate_cache` once the model runner
+    has sized the cache. An int8 cache (`--kv-cache-dtype int8`) comes with `k_scales` and
+    `v_scales`, `[num_blocks, block_size, kv_heads]` float32: a stored row is its int8 values
+    times its scale (`quantize_rows`).
     They start zeroed, so the unused tail of a sequence's last block holds finite values, which
     the length mask then excludes.
 
@@ -65,13 +67,12 @@ class PagedAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.k_scales: torch.Tensor | None = None
         self.v_scales: torch.Tensor | None = None
-        # Set where `decode_kernel.attention_fits`, for the compiled decode step (its decode
-        # attention is then the C++ operator instead of `traced_decode_attention`) and for
-        # eager decode steps (`compiled_step.eager_decode_reads_kernel`).
-        self.use_decode_kernel = False
-        # Set where `decode_kernel.prefill_fits` (bf16, AVX512-BF16): prefill attention is then
-        # the C++ operator, for fresh prompts and chunks over a cached prefix alike.
-        self.use_prefill_kernel = False
+        # Chosen with the cache (`allocate_cache`, from the rank's `KernelPlan`): decode rows
+        # through the C++ operator (eager and in the compiled decode graph) instead of SDPA
+        # over gathered blocks (`traced_decode_attention` in a graph), and the prefill kernel
+        # that beats SDPA here, if one does (`PREFILL_KERNELS`).
+        self.decode_operator = False
+        self.prefill_kernel: Callable[..., torch.Tensor] | None = None
 
     @property
     def padded_heads(self) -> int:
@@ -80,30 +81,29 @@ class PagedAttention(nn.Module):
         return self.num_heads if self.decode_padded is None else len(self.decode_padded)
 
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device, tokens_innermost: bool = False) -> None:
+                       device: torch.device, kernels: KernelPlan = PLAIN) -> None:
         """Zeroed: masked-out keys must still be finite (0 * NaN would poison the output).
         `dtype` int8 stores rows quantized, with their scales (laid out as the keys' tokens).
 
-        Stored token-major by default. `tokens_innermost` is the layout of the decode steps
-        that read the cache through `decode_kernel` (on CPU where it fits) or compile, so that
-        `traced_decode_attention` sums each score over head_dim as vector FMAs across a
-        block's tokens, not as one horizontal reduction per key (30 compiled layers of SmolLM2
-        at batch 32, 2 cores, bf16: 23 ms against 15; 0.89 against 0.73 ms at batch 1); an int8
-        or bf16 cache the operator reads in pairs is stored in pairs (`kv_layout.PAIRS`).
-        """
-        layout = kv_layout.TOKEN_MAJOR
-        if tokens_innermost:
-            paired = pairs_fit(dtype, block_size, self.head_dim)
-            layout = kv_layout.PAIRS if paired else kv_layout.TOKENS_INNERMOST
+        Laid out as `kernels.kv_layout` says, with the attention kernels that read that layout:
+        token-major by default; keys with a block's tokens innermost where decode steps read the
+        cache through `decode_kernel`'s operator or compile, so that `traced_decode_attention`
+        sums each score over head_dim as vector FMAs across a block's tokens, not as one
+        horizontal reduction per key; in pairs where the operator reads an int8 or bf16 cache
+        two elements at a time (`kv_layout.PAIRS`)."""
+        layout = kernels.kv_layout
         self.k_cache, self.v_cache = kv_layout.allocate(layout, num_blocks, block_size,
                                                         self.num_kv_heads, self.head_dim, dtype,
                                                         device)
         self.k_scales = self.v_scales = None
         if dtype == torch.int8:
+            innermost = layout != kv_layout.TOKEN_MAJOR
             self.k_scales = row_scales(num_blocks, block_size, self.num_kv_heads, device,
-                                       tokens_innermost)
+                                       innermost)
             self.v_scales = row_scales(num_blocks, block_size, self.num_kv_heads, device,
-                                       tokens_innermost)
+                                       innermost)
+        self.decode_operator = kernels.decode_attention == "operator"
+        self.prefill_kernel = PREFILL_KERNELS[kernels.prefill_attention]
 
     def cache_tensors(self) -> list[torch.Tensor]:
         """The cache's tensors: keys and values, and an int8 cache's scales."""
@@ -118,7 +118,7 @@ class PagedAttention(nn.Module):
         if torch.compiler.is_compiling():
             # A decode step traced whole (braid.worker.compiled_step).
             meta = batch.attn_groups[0].meta
-            if self.use_decode_kernel and self.window is None:
+            if self.decode_operator and self.window is None:
                 return self._decode_kernel(q, meta).flatten(1)
             key_mask = meta.key_mask
             if self.window is not None:
@@ -137,7 +137,7 @@ class PagedAttention(nn.Module):
         if self.window is not None:
             windowed = meta.windowed(self.window)
             kernels, meta = windowed is meta, windowed
-        if meta.decode and self.use_decode_kernel and kernels:
+        if meta.decode and self.decode_operator and kernels:
             out = self._decode_kernel(q, meta)
         elif meta.decode:
             keys = gather_blocks(self.k_cache, meta.block_tables, self.k_scales, q.dtype)
@@ -146,7 +146,7 @@ class PagedAttention(nn.Module):
                                 padded=self.decode_padded, kept=self.decode_kept)
         elif meta.equal_fresh:
             shape = (meta.batch_size, meta.q_lens[0], -1, self.head_dim)
-            kernel = self._prefill_kernel(q) or batched_causal_attention
+            kernel = self.prefill_kernel or batched_causal_attention
             out = self._by_runs(kernel, q.view(shape), k.view(shape), v.view(shape), self.scale)
         else:
             out = concat_groups([self._attend_sequence(q, k, v, meta, b, kernels)
@@ -164,8 +164,8 @@ class PagedAttention(nn.Module):
                                  q.dtype)[0, :meta.kv_lens[b]]
             values = gather_blocks(self.v_cache, blocks[None], self.v_scales,
                                    q.dtype)[0, :meta.kv_lens[b]]
-        if kernels and (kernel := self._prefill_kernel(q)):
-            return self._by_runs(kernel, q[rows][None], keys[None], values[None],
+        if kernels and self.prefill_kernel is not None:
+            return self._by_runs(self.prefill_kernel, q[rows][None], keys[None], values[None],
                                  self.scale)[0]
         return self._by_runs(causal_attention, q[rows], keys, values, meta.masks[b], self.scale)
 
@@ -174,16 +174,6 @@ class PagedAttention(nn.Module):
         return padded_decode(paged_decode_attention, q, self.k_cache, self.v_cache,
                              meta.block_tables, meta.seq_lens, self.scale, self.k_scales,
                              self.v_scales, padded=self.decode_padded, kept=self.decode_kept)
-
-    def _prefill_kernel(self, q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
-        """The prefill kernel that beats SDPA here, taking `[B, T, H, D]` queries over `[B, L,
-        Hk, D]` keys (the last T their own): the C++ operator (bf16 on AVX512-BF16), else the
-        blocked GEMMs (bf16 without AMX); None where SDPA is the faster."""
-        if self.use_prefill_kernel:
-            return causal_prefill_attention
-        if blocked_prefill_is_faster(q.dtype, q.device):
-            return blocked_causal_attention
-        return None
 
     def _by_runs(self, kernel: Callable[..., torch.Tensor], q: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor, *args: object) -> torch.Tensor:

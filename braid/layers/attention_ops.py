@@ -9,11 +9,11 @@ prints the table):
   keys]`), not one per query and head.
 - prefill in bf16 on a CPU with AVX512-BF16 (`decode_kernel.prefill_fits`): the C++ operator
   `decode_kernel.causal_prefill_attention`, oneDNN's brgemm (AMX or `vdpbf16ps`) over keys
-  packed once per KV head, key blocks past the diagonal skipped
-  (`PagedAttention.use_prefill_kernel`).
+  packed once per KV head, key blocks past the diagonal skipped.
 - prefill in bf16 without AMX where the operator is not used (it did not build, or the shapes
-  do not fit it), where `blocked_prefill_is_faster`: `blocked_causal_attention`, batched GEMMs
-  per query block that skip the masked triangle.
+  do not fit it): `blocked_causal_attention`, batched GEMMs per query block that skip the
+  masked triangle.
+(Which of these a rank runs is its `KernelPlan`'s: `braid.worker.kernels` decides.)
 - prefill elsewhere, through SDPA: `causal_attention` for the new tokens of one sequence
   (plainly causal when it has no cached prefix, else with that sequence's own `[new, prefix +
   new]` mask, no padding to the batch's longest sequence), and `batched_causal_attention` for
@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from braid.layers import kv_layout
-from braid.platform import cpu_flags
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -175,14 +174,3 @@ def _above_diagonal(tokens: int, group: int, device: torch.device) -> torch.Tens
     its own block (a later token)."""
     token = torch.arange(tokens * group, device=device) // group
     return torch.arange(tokens, device=device)[None, :] > token[:, None]
-
-
-def blocked_prefill_is_faster(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether prefill runs `blocked_causal_attention` rather than SDPA: for bf16 on a CPU that
-    computes bf16 natively without AMX. There (2-core Zen 4, SmolLM2's heads) it measured 2.0-2.8x
-    faster than SDPA at 128-2048 tokens, with and without a cached prefix. With AMX, SDPA's
-    kernel is the faster of the two (2-core Xeon, 8 x 512: 16.2 ms against 23.7, any block
-    size), and `decode_kernel.causal_prefill_attention` faster still; in fp32 neither wins
-    everywhere (0.83-1.21x), so SDPA stays."""
-    return (device.type == "cpu" and dtype == torch.bfloat16
-            and "avx512_bf16" in cpu_flags() and "amx_bf16" not in cpu_flags())

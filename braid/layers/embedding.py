@@ -51,7 +51,7 @@ class ParallelLMHead(nn.Module, Quantizable):
     (which samples) as `[tokens, vocab]` float32; the other ranks get no rows.
 
     With tied embeddings the head reuses the embedding's weight (same vocabulary split), and
-    its packed copy (`pack_linear_layers`) packs the embedding's rows.
+    its packed copy (`quant.make_weight_forms`) packs the embedding's rows.
     """
 
     def __init__(self, embedding: VocabParallelEmbedding, tied: bool) -> None:
@@ -85,7 +85,7 @@ class ParallelLMHead(nn.Module, Quantizable):
         if (self.packed is not None or int8_applies(hidden, self.int8)
                 or torch.compiler.is_compiling()):
             return linear(hidden, self.quantizable_weight(), int8=self.int8,
-                          packed=self.packed, gemv=self.gemv)
+                          packed=self.packed, gemv=self.gemv, packed_rows=self.packed_rows)
         # Unpacked (fp32, --no-weight-packing): weight @ hidden^T, which MKL runs about 1.5x
         # faster than F.linear for the few rows of a decode step.
         return torch.mm(self.quantizable_weight(), hidden.t()).t()

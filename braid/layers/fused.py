@@ -12,8 +12,9 @@ number of rows (`rms_norm`). SiLU-and-multiply
 gains least in isolation (even at 256 tokens, 13% at 2048) but inside a 2048-token step of
 rank 0 at tp 2 it took 34 ms instead of 80.
 
-Modes: `off` never compiles; `on` compiles when the rank starts (a few seconds, announced);
-`auto` compiles on CPU the first time a step is large enough, so short jobs never pay for it.
+Modes (the rank's `KernelPlan.fused_elementwise`): `off` never compiles; `on` compiles when the
+rank starts (a few seconds, announced); `auto` compiles the first time a step is large enough,
+so short jobs never pay for it.
 A compiler that fails (no C++ toolchain, say) warns once and leaves everything eager.
 """
 
@@ -25,8 +26,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
-from braid.layers import decode_kernel
 
 COMPILED_MIN_TOKENS = 128  # measured crossover of a compiled call's overhead (see docstring)
 # The dtypes `decode_kernel`'s elementwise operators take
@@ -87,11 +86,10 @@ class _Kernels:
         self.failed = False
         self.native = False  # whether braid's C++ operators are built (CPU)
 
-    def configure(self, mode: str, device: str, announce: bool) -> None:
-        # auto: CPU only (measured there); CUDA runs eager unless asked.
-        self.mode = "off" if mode == "auto" and device != "cpu" else mode
+    def configure(self, mode: str, native: bool, announce: bool) -> None:
+        self.mode = mode
         self.announce = announce
-        self.native = device == "cpu" and decode_kernel.load()
+        self.native = native
         if self.mode == "on":
             self._compile()
 
@@ -140,10 +138,11 @@ def _warm_up(compiled: dict[str, Callable], norm: bool) -> None:
 _kernels = _Kernels()
 
 
-def configure_compile(mode: str, device: str = "cpu", announce: bool = False) -> None:
-    """Set this process's `--compile` mode (`on` compiles now); `announce` prints a line when
-    compiling starts (rank 0 does)."""
-    _kernels.configure(mode, device, announce)
+def configure_compile(mode: str, native: bool, announce: bool = False) -> None:
+    """Set this process's mode (`KernelPlan.fused_elementwise`: `on` compiles now) and whether
+    braid's C++ operators are loaded (`native`: the norm is then theirs); `announce` prints a
+    line when compiling starts (rank 0 does)."""
+    _kernels.configure(mode, native, announce)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

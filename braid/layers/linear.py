@@ -45,7 +45,8 @@ class ReplicatedLinear(nn.Module, Quantizable):
         _copy_checked(param.data, weight.load(), "replicated weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.int8, packed=self.packed, gemv=self.gemv)
+        return linear(x, self.weight, self.bias, self.int8, packed=self.packed, gemv=self.gemv,
+                      packed_rows=self.packed_rows)
 
 
 class DataParallelLinear(nn.Module, Quantizable):
@@ -76,7 +77,8 @@ class DataParallelLinear(nn.Module, Quantizable):
                       f"fused replicated part {shard_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, int8=self.int8, packed=self.packed, gemv=self.gemv)
+        return linear(x, self.weight, int8=self.int8, packed=self.packed, gemv=self.gemv,
+                      packed_rows=self.packed_rows)
 
     def forward_async(self, x: torch.Tensor) -> Pending:
         """Start the token-split product; `wait(pending, x.shape[0])` returns all rows, as
@@ -129,7 +131,8 @@ class ColumnParallelLinear(nn.Module, Quantizable):
                       f"column shard {shard_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.int8, packed=self.packed, gemv=self.gemv)
+        return linear(x, self.weight, self.bias, self.int8, packed=self.packed, gemv=self.gemv,
+                      packed_rows=self.packed_rows)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -180,5 +183,5 @@ class RowParallelLinear(nn.Module, Quantizable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.comm.rank == 0 else None
-        y = linear(x, self.weight, bias, self.int8, self.packed, self.gemv)
+        y = linear(x, self.weight, bias, self.int8, self.packed, self.gemv, self.packed_rows)
         return self.comm.all_reduce(y) if self.reduce else y

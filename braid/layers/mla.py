@@ -18,9 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from braid.layers.attention import concat_groups, gather_blocks, row_scales, write_cache
+from braid.layers.attention import (
+    PLAIN,
+    concat_groups,
+    gather_blocks,
+    row_scales,
+    write_cache,
+)
 from braid.layers.attention_ops import causal_attention, decode_attention, prefix_causal_mask
 from braid.layers.forward_batch import AttentionMetadata, ForwardBatch
+from braid.layers.kernel_plan import KernelPlan
 
 
 class LatentAttention(nn.Module):
@@ -40,9 +47,11 @@ class LatentAttention(nn.Module):
         self.cache_scales: torch.Tensor | None = None  # an int8 cache's, one per latent row
 
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> None:
+                       device: torch.device, kernels: KernelPlan = PLAIN) -> None:
         """Zeroed, so masked-out slots hold finite values; one shared KV "head". `dtype` int8
-        stores each latent row quantized (`attention.quantize_rows`), with its scale."""
+        stores each latent row quantized (`attention.quantize_rows`), with its scale. The
+        latent cache has one layout and its own kernels, whatever the plan says (`kernels`
+        is taken as every attention layer's cache is made)."""
         shape = (num_blocks, block_size, 1, self.kv_lora_rank + self.rope_dim)
         self.cache = torch.zeros(shape, dtype=dtype, device=device)
         self.cache_scales = (row_scales(num_blocks, block_size, 1, device)

@@ -1,7 +1,8 @@
 """The weight forms a linear layer's GEMM reads, made at load time from any checkpoint.
 
 **Packed bf16 (CPU, default).** Each bf16 linear weight also gets oneDNN's blocked copy, which
-GEMMs of at most `PACKED_MAX_ROWS` rows (decode, short prompts) read: they no longer reorder the
+GEMMs of at most the rank's `KernelPlan.packed_max_rows` rows (decode, short prompts) read:
+they no longer reorder the
 weight on every call. Measured on AMX (2 cores, SmolLM2's shapes, weights streamed from memory):
 1.4x faster at 1-128 rows, 2.7x at 256 (where the row-major GEMM takes a slow path);
 bit-identical results. With AMX, larger GEMMs read the row-major weight, which is kept: in
@@ -32,7 +33,6 @@ AVX512-BF16 (`decode_kernel.gemv`).
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -43,7 +43,7 @@ from torch import nn
 from braid import native
 from braid.layers import decode_kernel
 from braid.layers.fused import silu_mul
-from braid.platform import cpu_flags
+from braid.layers.kernel_plan import KernelPlan
 
 INT8_MAX_ROWS = 4  # GEMMs of at most this many rows use the int8 weights
 
@@ -70,8 +70,8 @@ class Int8Weight:
 
 
 class Quantizable:
-    """Mixin of the layers whose weight `quantize_linear_layers` and `pack_linear_layers` give
-    other forms; `forward` passes them all to `linear`."""
+    """Mixin of the layers whose weight `make_weight_forms` gives other forms; `forward` passes
+    them all to `linear`."""
 
     int8: Int8Weight | None = None
     # The number oneDNN's blocked copy of the weight (kept beside the row-major one) is
@@ -79,8 +79,10 @@ class Quantizable:
     packed: torch.Tensor | None = None
     # False where other code reads the weight as a matrix (MLA's kv_b_proj)
     packable = True
-    # Set by the compiled decode step where `decode_kernel.gemv_fits` the weight its one-row
-    # GEMM reads (int8 or dense): that GEMM is then braid's GEMV operator
+    # GEMMs of at most this many rows read `packed` (None: of any number)
+    packed_rows: int | None = None
+    # Where the rank's plan has the GEMV and `decode_kernel.gemv_fits` the weight its one-row
+    # GEMM reads (int8 or dense): that GEMM, traced into a compiled graph, is braid's GEMV
     gemv = False
     # Set on a SwiGLU's merged [gate | up] projection (`GatedMLP`): packing then makes
     # `packed_halves`, gate and up packed apart (their numbers), for `gated_silu` (and no
@@ -111,10 +113,11 @@ def gemv_applies(x: torch.Tensor, gemv: bool) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            int8: Int8Weight | None = None, packed: torch.Tensor | None = None,
-           gemv: bool = False) -> torch.Tensor:
+           gemv: bool = False, packed_rows: int | None = None) -> torch.Tensor:
     """`F.linear`, through the int8 weights where `int8_applies`, else through the packed
-    weight numbered `packed` where there is one and `packed_applies`; with `gemv`, a row traced
-    into a compiled graph goes through `decode_kernel.gemv` instead (int8 or dense)."""
+    weight numbered `packed` where there is one and `packed_applies` (up to `packed_rows`
+    rows); with `gemv`, a row traced into a compiled graph goes through `decode_kernel.gemv`
+    instead (int8 or dense)."""
     one_traced_row = gemv_applies(x, gemv)
     if int8_applies(x, int8):
         if one_traced_row:
@@ -125,35 +128,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if one_traced_row:
         y = decode_kernel.gemv(x, weight)
         return y if bias is None else y + bias
-    if packed is not None and packed_applies(x):
+    if packed is not None and packed_applies(x, packed_rows):
         rows = x.reshape(-1, x.shape[-1])
         y = torch.ops.braid.packed_linear(rows, packed, weight.shape[0], bias, "none", None)
         return y.view(*x.shape[:-1], y.shape[-1])
     return F.linear(x, weight, bias)
 
 
-def quantize_linear_layers(model: nn.Module) -> None:
-    """Give every `Quantizable` layer (the linear layers, the LM head) its int8 copy. fp32
-    models are left dense (see the module docstring)."""
+def make_weight_forms(model: nn.Module, kernels: KernelPlan) -> bool:
+    """Give the model's linear layers (the LM head included) the weight forms the rank's
+    plan asks for, once its weights are loaded and on their device: int8 copies, oneDNN's
+    packed copies (for GEMMs of up to `kernels.packed_max_rows` rows) and the GEMV where a
+    layer's weight fits it. Whether any weight was packed."""
     layers = [m for m in model.modules() if isinstance(m, Quantizable)]
-    dtype = layers[0].quantizable_weight().dtype if layers else None
-    if dtype == torch.float32:
-        warnings.warn("--quantization int8 runs dense: the int8 kernel is fast with bf16 or fp16 "
-                      "activations only; use --dtype bf16", stacklevel=2)
-        return
-    for layer in layers:
-        layer.int8 = Int8Weight.quantize(layer.quantizable_weight())
+    if kernels.int8_weights:
+        for layer in layers:
+            layer.int8 = Int8Weight.quantize(layer.quantizable_weight())
+    packed = kernels.packed_weights and pack_linear_layers(model, kernels.packed_max_rows)
+    if kernels.gemv:
+        for layer in layers:
+            layer.gemv = (decode_kernel.gemv_fits(layer.quantizable_weight())
+                          if layer.int8 is None else
+                          layer.int8.scales.dtype == torch.bfloat16  # not an fp16 model's
+                          and decode_kernel.gemv_fits(layer.int8.values))
+    return packed
 
 
 # The row count oneDNN lays the blocks out for (packing for a step's exact row count was no faster)
 PACK_HINT_ROWS = 256
-# GEMMs of at most this many rows read the packed weights (see the module docstring)
-PACKED_MAX_ROWS = 256 if "amx_bf16" in cpu_flags() else None
 
 
-def packed_applies(x: torch.Tensor) -> bool:
-    """Whether a GEMM of `x` reads the packed weights where a layer has them."""
-    return PACKED_MAX_ROWS is None or x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
+def packed_applies(x: torch.Tensor, max_rows: int | None) -> bool:
+    """Whether a GEMM of `x` reads the packed weights where a layer has them: up to `max_rows`
+    rows (None: any number)."""
+    return max_rows is None or x.numel() <= max_rows * x.shape[-1]
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
@@ -163,10 +171,10 @@ def packing_supported(weight: torch.Tensor) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack_linear_layers(model: nn.Module) -> bool:
-    """Give the bf16 weight of every packable linear layer oneDNN's blocked copy, for
-    `packed_applies` GEMMs (the row-major weight stays for larger ones), registered for
-    `packed_linear` (forgotten when `model` is). Other dtypes and devices stay as they are.
+def pack_linear_layers(model: nn.Module, max_rows: int | None) -> bool:
+    """Give the bf16 weight of every packable linear layer oneDNN's blocked copy, for GEMMs of
+    up to `max_rows` rows (None: any; the row-major weight stays for larger ones), registered
+    for `packed_linear` (forgotten when `model` is). Other dtypes and devices stay as they are.
     Whether any weight was packed."""
     if not native.load():
         return False
@@ -186,6 +194,7 @@ def pack_linear_layers(model: nn.Module) -> bool:
             layer.packed_halves = tuple(register(half.contiguous()) for half in weight.chunk(2))
         else:
             layer.packed = register(weight)
+        layer.packed_rows = max_rows
     if ids:
         weakref.finalize(model, torch.ops.braid.forget_packed_weights, ids)
     return bool(ids)
@@ -200,7 +209,7 @@ def swiglu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     weight form `linear` would read: the packed halves (`gated_silu`) where there are some,
     they apply and neither the int8 weights nor the GEMV do, else the layer's product and
     `silu_mul`."""
-    if (layer.packed_halves is not None and packed_applies(x)
+    if (layer.packed_halves is not None and packed_applies(x, layer.packed_rows)
             and not int8_applies(x, layer.int8) and not gemv_applies(x, layer.gemv)):
         return gated_silu(x, *layer.packed_halves, layer.weight.shape[0] // 2)
     return silu_mul(layer(x))

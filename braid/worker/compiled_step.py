@@ -46,11 +46,7 @@ from torch import nn
 
 from braid.cache import cache_root, code_version
 from braid.config import EngineConfig
-from braid.layers import decode_kernel
-from braid.layers.attention import PagedAttention
 from braid.layers.forward_batch import DECODE_MIN_BLOCKS, ForwardBatch
-from braid.layers.moe import RoutedExperts
-from braid.layers.quant import Quantizable
 from braid.overlap.operations import YIELD, execute, is_between_pieces, split_stages
 from braid.platform import isa_flags
 from braid.step import StepPlan
@@ -83,60 +79,6 @@ def configure_compiler() -> None:
         setattr(torch._inductor.config, key, value)
     for key, value in _DYNAMO.items():
         setattr(torch._dynamo.config, key, value)
-
-
-def use_decode_kernels(model: nn.Module, gemv: bool = True) -> None:
-    """`decode_kernel`'s operators wherever they fit, if they build: decode attention in every
-    attention layer, prefill attention where `decode_kernel.prefill_fits` (bf16, AVX512-BF16)
-    and, with `gemv` (compiled graphs), the GEMV in every linear layer (the LM head included)
-    for the weight its one-row product reads, int8 or dense."""
-    dtype = next(model.parameters()).dtype
-    attention = [attn for attn in model.attention_layers()
-                 if decode_kernel.attention_fits(attn.padded_heads, attn.k_cache, dtype)]
-    linears = [layer for layer in model.modules() if gemv and isinstance(layer, Quantizable)
-               and (decode_kernel.gemv_fits(layer.quantizable_weight()) if layer.int8 is None
-                    else layer.int8.scales.dtype == torch.bfloat16  # not an fp16 model's
-                    and decode_kernel.gemv_fits(layer.int8.values))]
-    if (attention or linears) and decode_kernel.load():
-        for attn in attention:
-            attn.use_decode_kernel = True
-            attn.use_prefill_kernel = decode_kernel.prefill_fits(
-                attn.padded_heads, attn.num_kv_heads, attn.head_dim, dtype)
-        for layer in linears:
-            layer.gemv = True
-
-
-def eager_decode_reads_kernel(engine: EngineConfig, model: nn.Module) -> bool:
-    """Whether decode steps read the KV cache through `decode_kernel`'s operator, laid out for
-    it: on CPU, where every attention layer is a `PagedAttention` whose shapes the operator
-    takes (a rank's unequal query groups padded to one grouped call), and the operator builds.
-    Against gathering the blocks for SDPA (2-core Xeon with AMX, bf16, `ratio_bench.py` best of
-    2): decode bs 32 1.38x, bs 1 1.04x, prefill 8 x 512 1.04x (the layout's writes). An int8
-    cache, whose gathered blocks SDPA needs dequantized, ran 0.65-0.69x the bf16 cache's speed
-    at bs 32 gathered, 1.08x through the operator."""
-    if engine.parallel.device != "cpu":
-        return False
-    for attn in model.attention_layers():
-        if not (isinstance(attn, PagedAttention)
-                and decode_kernel.shape_fits(attn.padded_heads, attn.num_kv_heads, attn.head_dim,
-                                             engine.kv_cache.block_size, engine.torch_dtype,
-                                             engine.kv_torch_dtype)):
-            return False
-    return decode_kernel.load()
-
-
-def compile_applies(device: str, model: nn.Module) -> str | None:
-    """None where compiled steps can run this model here, else why not: on CPU (CUDA steps run
-    eager), with every attention layer a `PagedAttention` (DeepSeek's MLA stays eager) and no
-    routed experts (Qwen3-MoE, Mixtral, DeepSeek: each expert's share of the tokens is a
-    data-dependent shape, which graphs do not hold)."""
-    if device != "cpu":
-        return "compiled steps are built for CPU ranks"
-    if not all(isinstance(a, PagedAttention) for a in model.attention_layers()):
-        return f"{type(model).__name__}'s attention is not compiled"
-    if any(isinstance(m, RoutedExperts) for m in model.modules()):
-        return f"{type(model).__name__}'s routed experts are not compiled"
-    return None
 
 
 def mark_static(model: nn.Module) -> None:
@@ -340,7 +282,7 @@ def warm_up_plans(block_size: int) -> dict[bool, StepPlan]:
 def piece_warm_up_plans(block_size: int, tokens: Sequence[int]) -> list[StepPlan]:
     """Prompt steps of `tokens` each (one prompt each, writing block 0 only, its slots shared),
     whose pieces compile every graph a step of that many rows reads (a GEMM's packed weights
-    apply up to `quant.PACKED_MAX_ROWS` rows); the last token's logits only."""
+    apply up to `KernelPlan.packed_max_rows` rows); the last token's logits only."""
     return [StepPlan(input_ids=np.zeros(n, dtype=np.int64), positions=np.arange(n),
                      slot_mapping=np.arange(n, dtype=np.int64) % block_size,
                      q_lens=np.array([n]), kv_lens=np.array([n]),

@@ -37,11 +37,9 @@ def plan_kernels(engine: EngineConfig, model: nn.Module) -> KernelPlan:
                     else compile_applies(device, model))
     decode_operator = operators and decode_operator_fits(engine, model)
     attention = model.attention_layers()
-    layout = kv_layout.TOKEN_MAJOR
-    if decode_operator or not_compiled is None:  # both read a block's tokens innermost
-        head_dim = attention[0].head_dim
-        paired = decode_kernel.pairs_fit(kv_dtype, engine.kv_cache.block_size, head_dim)
-        layout = kv_layout.PAIRS if paired else kv_layout.TOKENS_INNERMOST
+    # the decode operator and compiled steps both read a block's tokens innermost
+    layout = cache_layout(kv_dtype, engine.kv_cache.block_size, attention[0].head_dim,
+                          innermost=decode_operator or not_compiled is None)
     return KernelPlan(
         operators=operators,
         kv_layout=layout,
@@ -56,6 +54,16 @@ def plan_kernels(engine: EngineConfig, model: nn.Module) -> KernelPlan:
         fused_elementwise=("off" if engine.compile.mode == "auto" and device != "cpu"
                            else engine.compile.mode),
         not_compiled=not_compiled)
+
+
+def cache_layout(kv_dtype: torch.dtype, block_size: int, head_dim: int, innermost: bool) -> str:
+    """The KV cache's `kv_layout`: token-major, or with a block's tokens innermost, in pairs
+    where the decode operator reads this cache dtype two elements at a time."""
+    if not innermost:
+        return kv_layout.TOKEN_MAJOR
+    if decode_kernel.pairs_fit(kv_dtype, block_size, head_dim):
+        return kv_layout.PAIRS
+    return kv_layout.TOKENS_INNERMOST
 
 
 def compile_applies(device: str, model: nn.Module) -> str | None:

@@ -14,26 +14,24 @@ from braid.config import EngineConfig
 from braid.distributed.comm import SwitchableCommunicator
 from braid.layers.forward_batch import ForwardBatch
 from braid.layers.fused import configure_compile
-from braid.layers.quant import PACKED_MAX_ROWS, pack_linear_layers, quantize_linear_layers
+from braid.layers.quant import make_weight_forms
 from braid.loader.model_config import ModelConfig
 from braid.loader.weights import load_weights, with_progress
 from braid.models.registry import model_class
 from braid.overlap.operations import execute, execute_overlapped
-from braid.step import CompileStatus, StepPlan, StepResult
+from braid.step import RankReady, StepPlan, StepResult
 from braid.trace import tracer
 from braid.worker.compiled_step import (
     CompiledDecodeStep,
     CompiledPieces,
-    compile_applies,
     configure_compiler,
-    eager_decode_reads_kernel,
     elapsed,
     graph_cache_key,
     mark_static,
     piece_warm_up_plans,
-    use_decode_kernels,
     warm_up_plans,
 )
+from braid.worker.kernels import plan_kernels
 from braid.worker.sampler import postprocess
 from braid.worker.split import split_step
 
@@ -82,31 +80,29 @@ class ModelRunner:
         self.generator.manual_seed(engine.seed)
         cls = model_class(config)
         self.model = cls(config, comm, engine.torch_dtype)
+        self.kernels = plan_kernels(engine, self.model)
         cache_dtype = engine.torch_dtype if engine.cache else None
         weights = checkpoint_weights(engine.model, config, cache_dtype)
         if comm.rank == 0:
             weights = with_progress(weights, "loading weights", delay_s=2.0)
         load_weights(self.model, weights)
-        if engine.compile.quantization == "int8":
-            quantize_linear_layers(self.model)
         self.model.to(self.device).eval()
-        self._packed = engine.compile.weight_packing and pack_linear_layers(self.model)
-        configure_compile(engine.compile.mode, engine.parallel.device, announce=comm.rank == 0)
+        self._packed = make_weight_forms(self.model, self.kernels)
+        configure_compile(self.kernels.fused_elementwise, self.kernels.operators,
+                          announce=comm.rank == 0)
         self.operations = self.model.operations()
-        # Why steps cannot be compiled here (None: they can, once `prepare_compiled` ran)
-        self.not_compiled = ("--compile off" if engine.compile.mode == "off"
-                             else compile_applies(engine.parallel.device, self.model))
-        kernel = eager_decode_reads_kernel(engine, self.model)
-        self._allocate_kv_cache(tokens_innermost=kernel or self.not_compiled is None)
-        if kernel:
-            use_decode_kernels(self.model, gemv=self.not_compiled is None)
+        for attn in self.model.attention_layers():
+            attn.allocate_cache(engine.kv_cache.num_blocks, engine.kv_cache.block_size,
+                                engine.kv_torch_dtype, self.device, self.kernels)
         self.decode_graph: CompiledDecodeStep | None = None
         self.pieces: CompiledPieces | None = None
 
-    def compile_status(self) -> CompileStatus:
-        """Whether steps can be compiled here, and whether the graphs are saved already."""
-        return CompileStatus(self.not_compiled,
-                             self.not_compiled is None and self._decode_step.cached())
+    def ready(self) -> RankReady:
+        """Whether steps can be compiled here, whether the graphs are saved already, and the
+        rank's kernels."""
+        not_compiled = self.kernels.not_compiled
+        return RankReady(not_compiled, not_compiled is None and self._decode_step.cached(),
+                         self.kernels.describe())
 
     @functools.cached_property
     def _decode_step(self) -> CompiledDecodeStep:
@@ -124,8 +120,8 @@ class ModelRunner:
         """Load (or compile and save) the decode graphs, compile the pieces on warm-up steps
         that write only block 0 (never handed out; zeroed again after), and use them from the
         next step on; a line saying what it did. Every rank runs it at the same point."""
-        if self.not_compiled is not None:
-            return f"steps run eager ({self.not_compiled})"
+        if self.kernels.not_compiled is not None:
+            return f"steps run eager ({self.kernels.not_compiled})"
         if self.decode_graph is not None:
             return "compiled steps ready"
         start = time.perf_counter()
@@ -141,12 +137,13 @@ class ModelRunner:
             for one, plan in warm_up_plans(block_size).items()})
         decode_s = time.perf_counter() - start
         pieces = CompiledPieces(self.operations)
-        # One step per row-count class of the GEMMs (packed weights up to PACKED_MAX_ROWS) that
-        # the step budget reaches. Not one of a single row, which dynamo specialises: a
-        # one-token prompt is rare, and its pieces compile when it comes (both ranks at once,
-        # so neither waits on the other past its collective timeout); warming it up cost 3-5 s
-        # of every start.
-        tokens = [64] if PACKED_MAX_ROWS is None else [64, PACKED_MAX_ROWS + 64]
+        # One step per row-count class of the GEMMs (packed weights up to the plan's
+        # `packed_max_rows`) that the step budget reaches. Not one of a single row, which
+        # dynamo specialises: a one-token prompt is rare, and its pieces compile when it comes
+        # (both ranks at once, so neither waits on the other past its collective timeout);
+        # warming it up cost seconds of every start.
+        rows = self.kernels.packed_max_rows if self._packed else None
+        tokens = [64] if rows is None else [64, rows + 64]
         tokens = [n for n in tokens if n <= max(64, self.engine.scheduler.max_num_batched_tokens)]
         overlap = self.engine.switches.overlap != "off"
         with self.comm.long_timeout(COMPILE_COMM_TIMEOUT_S):
@@ -161,14 +158,6 @@ class ModelRunner:
         self.decode_graph, self.pieces = decode, pieces
         return (f"compiled steps ready in {elapsed(start)}: decode graphs {loaded} loaded, "
                 f"{compiled} compiled ({decode_s:.0f} s); {pieces.kinds} kinds of pieces")
-
-    def _allocate_kv_cache(self, tokens_innermost: bool) -> None:
-        """`tokens_innermost`: the decode operator's layout (`PagedAttention` only)."""
-        num_blocks = self.engine.kv_cache.num_blocks
-        layout = {"tokens_innermost": True} if tokens_innermost else {}
-        for attn in self.model.attention_layers():
-            attn.allocate_cache(num_blocks, self.engine.kv_cache.block_size,
-                                self.engine.kv_torch_dtype, self.device, **layout)
 
     @torch.inference_mode()
     def step(self, plan: StepPlan,

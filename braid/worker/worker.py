@@ -31,13 +31,13 @@ def make_communicator(engine: EngineConfig, rank: int, world_size: int,
 def worker_main(rank: int, world_size: int, conn: Connection, engine: EngineConfig,
                 config: ModelConfig, segment: ShmSegment | None = None) -> None:
     """Rank entry point (`braid.distributed.ranks` runs it): every rank answers "ready" with its
-    `CompileStatus`; rank 0 answers steps and "compile" (`ModelRunner.prepare_compiled`), which
+    `RankReady`; rank 0 answers steps and "compile" (`ModelRunner.prepare_compiled`), which
     every rank runs at the same point."""
     configure_compiler()
     comm = make_communicator(engine, rank, world_size, segment)
     runner = ModelRunner(engine, config, comm)
     trace = enable_tracing(rank) if engine.trace else None
-    conn.send(("ok", runner.compile_status()))
+    conn.send(("ok", runner.ready()))
     try:
         while True:
             kind, payload = conn.recv()
