@@ -112,6 +112,12 @@ class StepPlan:
         return int(self.input_ids.shape[0])
 
 
+# The error of a sampling row whose request's own constraints (grammar, logit_bias,
+# min_tokens) leave no token: the client's error (400), not the server's
+NO_TOKEN_ALLOWED = ("no token is allowed (the grammar, logit_bias and min_tokens exclude every "
+                    "token)")
+
+
 @dataclass
 class StepResult:
     """Rank 0's answer to a step: the sampled token of each sampling row (None where sampling
@@ -154,6 +160,7 @@ class SequenceDelta:
     stop_reason: int | str | None = None
     by_stop_token: bool = False
     error: str | None = None
+    invalid: bool = False  # the error is the request's own (`NO_TOKEN_ALLOWED`): a 400
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
 

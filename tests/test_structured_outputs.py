@@ -283,6 +283,16 @@ def test_an_invalid_constraint_is_a_400_naming_its_field(server, body, field):
     assert completion(server, {"max_tokens": 2}).status_code == 200  # still serving
 
 
+def test_a_grammar_that_allows_no_token_before_min_tokens_is_a_400(server):
+    """Constraints that leave no token to sample (an empty regex allows only EOS, which
+    min_tokens bans) are the request's error, not the server's (the API fuzz found this
+    body answered with a 500)."""
+    response = completion(server, {"guided_regex": "", "min_tokens": 1, "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    assert "no token is allowed" in response.json()["error"]["message"]
+    assert completion(server, {"max_tokens": 2}).status_code == 200  # still serving
+
+
 class Weather(BaseModel):
     city: str = Field(max_length=30)
     unit: Literal["celsius", "fahrenheit"]

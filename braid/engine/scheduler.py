@@ -36,7 +36,7 @@ from braid.engine.kv_cache import BlockManager
 from braid.engine.plan import SequenceRows
 from braid.engine.request import Sequence
 from braid.errors import request_failure
-from braid.step import SequenceDelta, StepResult
+from braid.step import NO_TOKEN_ALLOWED, SequenceDelta, StepResult
 
 
 class WaitingQueue:
@@ -295,12 +295,14 @@ class Scheduler:
         return deltas
 
     def fail(self, seq: Sequence, error: str) -> SequenceDelta:
-        """End a sequence with an error (its blocks are free at once); the delta saying so."""
+        """End a sequence with an error (its blocks are free at once); the delta saying so,
+        `invalid` where the request's own constraints caused it."""
         if not seq.finished:
             if seq in self.running or seq in self.waiting:
                 self.abort(seq)
             seq.finish_reason = "error"
-        return SequenceDelta(seq.request_id, seq.index, finish_reason="error", error=error)
+        return SequenceDelta(seq.request_id, seq.index, finish_reason="error", error=error,
+                             invalid=error == NO_TOKEN_ALLOWED)
 
     def _record_tokens(self, seq: Sequence, result: StepResult,
                        rows: SequenceRows) -> SequenceDelta:

@@ -29,6 +29,7 @@ class CompletionState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        self.invalid = False  # the error is the request's own (`SequenceDelta.invalid`)
 
     @property
     def finished(self) -> bool:
@@ -61,7 +62,7 @@ class CompletionState:
             self.finish_reason, self.stop_reason = "stop", self.detokenizer.stop_string
         elif ending:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-            self.error = delta.error
+            self.error, self.invalid = delta.error, delta.invalid
         return piece, new_logprobs
 
 

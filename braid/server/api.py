@@ -369,7 +369,9 @@ async def _complete(raw: Request, runs: list[PromptRun], events, respond) -> Res
         if await raw.is_disconnected():
             task.cancel()  # the caller aborts the request
             return Response(status_code=499)
-    failed = [s.error for run in runs for s in run.completions if s.finish_reason == "error"]
+    failed = [s for run in runs for s in run.completions if s.finish_reason == "error"]
+    if failed and all(s.invalid for s in failed):  # what the request asks cannot be generated
+        raise APIError(400, f"generation failed: {failed[0].error}")
     if failed:
-        raise APIError(500, f"generation failed: {failed[0]}", type_="server_error")
+        raise APIError(500, f"generation failed: {failed[0].error}", type_="server_error")
     return JSONResponse(respond())

@@ -10,7 +10,7 @@ import torch
 
 from braid import native
 from braid.errors import request_failure
-from braid.step import Penalty, SamplingBatch, StepPlan, StepResult, TokenLogprob
+from braid.step import NO_TOKEN_ALLOWED, Penalty, SamplingBatch, StepPlan, StepResult, TokenLogprob
 
 _SEED_STRIDE = 1_000_003  # distinct generator seed per (request seed, output position)
 
@@ -100,8 +100,7 @@ def sample(logits: torch.Tensor, params: SamplingBatch, generator: torch.Generat
     for row in np.flatnonzero(np.isnan(chosen)).tolist():
         errors.setdefault(row, "the model produced NaN logits")
     for row in np.flatnonzero(np.isneginf(chosen)).tolist():
-        errors.setdefault(row, "no token is allowed (the grammar, logit_bias and min_tokens "
-                               "exclude every token)")
+        errors.setdefault(row, NO_TOKEN_ALLOWED)
     sampled_rows = [r for r in np.flatnonzero(params.temperatures > 0).tolist()
                     if r not in errors]
     if sampled_rows:
