@@ -243,8 +243,8 @@ class CompileConfig(_Group):
         "rows (decode at small batch; bf16/fp16 models)", choices=("none", "int8"))
     weight_packing: bool = setting(
         True, "keep bf16 linear weights row-major only on CPU, without oneDNN's blocked copy "
-        "(which makes GEMMs of up to 256 rows, decode, about 1.4x faster, and costs the "
-        "weights' memory again)", off_flag="--no-weight-packing")
+        "(which makes decode's GEMMs of few rows faster, and costs the weights' memory "
+        "again)", off_flag="--no-weight-packing")
 
 
 @dataclass(frozen=True)

@@ -99,9 +99,8 @@ def traced_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     key_mask: [B, 1, 1, W * block_size]; k_scales, v_scales: an int8 cache's [blocks,
     block_size, Hk] scales -> [B, Hq, Dv].
 
-    Measured on 30 layers of SmolLM2's shapes (2 cores, AVX-512, bf16, tokens innermost):
-    0.73 ms at one sequence and 15 ms at 32 (context about 140), against 1.2 and 13.5-14 ms
-    for the eager kernels called as an opaque operator; eagerly it would be slow.
+    Compiled, it is faster than the eager kernels called as an opaque operator at one
+    sequence and close at 32 (docs/kernel-choices.md, "Attention"); eagerly it would be slow.
     """
     batch, width = block_tables.shape
     _, block_size, hk, dim = kv_layout.logical_shape(k_cache)
@@ -130,8 +129,8 @@ def _scaled_blocks(cache: torch.Tensor, scales: torch.Tensor | None,
     return blocks if scales is None else blocks.float() * scales[block_tables][..., None]
 
 
-# Query tokens per block of `blocked_causal_attention`: 32-96 measured within noise of each
-# other at 8 x 512, 128 1.4x and 256 2.3x slower (the scores of a block no longer stay in cache).
+# Query tokens per block of `blocked_causal_attention`: small enough that a block's scores stay
+# in cache (larger blocks measured slower: docs/kernel-choices.md, "Prefill attention").
 PREFILL_BLOCK = 64
 
 
@@ -147,8 +146,8 @@ def blocked_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
     A KV head's group of query heads is stacked into its query rows (rows are (token, head)),
     so keys are never repeated. Scores come out of the GEMM in the model's dtype, as in
     transformers' eager attention, and the softmax accumulates in fp32. Small blocks keep a
-    block's scores in cache: on a 2-core AVX-512-BF16 host without AMX, 8 x 512 tokens with
-    SmolLM2's heads took 10-14 ms against SDPA's 32-34 ms (`braid bench-attention`).
+    block's scores in cache: on bf16 hosts without AMX it takes about a third of SDPA's time
+    (`braid bench-attention`; docs/kernel-choices.md, "Prefill attention").
     """
     batch, tokens, hq, dim = q.shape
     length, hk, dv = keys.shape[1], keys.shape[2], values.shape[-1]

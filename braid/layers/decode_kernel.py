@@ -10,14 +10,10 @@
   their keys, bf16 on CPUs with AVX512-BF16 (`csrc/prefill_attention.cpp`), in eager prefill.
 
 Inductor's code for the same reductions (`traced_decode_attention`) is bound by add latency and
-memory stalls: 500-610 us a layer for 32 sequences of 160 keys (SmolLM2's 9 query and 3 KV
-heads, bf16, 2-core Zen 5, 30 layers' caches so that they come from memory), where this
-kernel takes 160-220 us (85-110 us with one layer's cache, from L3).
-
-At one row a GEMM streams its weight. Measured the same way (30 layers' weights, 2 threads),
-oneDNN's packed bf16 GEMM takes 93-105 / 48-50 / 34-41 us for SmolLM2's gate_up / down / qkv
-and 1.3-1.7 ms for the LM head, where the GEMV takes 73-81 / 30-33 / 17-30 us and 1.2-1.7 ms.
-Where the library cannot be built the steps keep the traced kernel and oneDNN's GEMMs.
+memory stalls; the operator takes a third of its time. At one row a GEMM streams its weight,
+which the GEMV does with less overhead than oneDNN's packed GEMM (docs/kernel-choices.md,
+"Attention" and "The one-row GEMV"). Where the library cannot be built the steps keep the
+traced kernel and oneDNN's GEMMs.
 """
 
 from __future__ import annotations
@@ -55,10 +51,8 @@ def pairs_fit(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
 
     - int8 on a CPU with AVX512-VNNI: scores and weighted values as int16 dot products, the
       queries and softmax weights rounded to int16 (2^-16 of a row's largest, a hundredth of
-      the cache's own rounding). 30 layers of SmolLM2's caches, 32 sequences of 160 keys,
-      2-core Xeon with AMX: 0.78-0.91x the time of widening each int8 to fp32 for an FMA (from
-      memory), 0.71x with one layer's cache in L3; in a compiled bs 32 step (context 128)
-      attention fell from 16.1-16.7% to 13.7-14.2% of the step.
+      the cache's own rounding), faster than widening each int8 to fp32 for an FMA
+      (docs/kernel-choices.md, "The KV cache in pairs").
     - bf16 on a CPU with AVX512-BF16: `vdpbf16ps` over pairs, the softmax weights rounded to
       bf16 (as transformers' bf16 attention rounds them).
     """
@@ -124,10 +118,7 @@ def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q: [B, T, Hq, D]; k, v: [B, L, Hk, D] with L >= T (the last T keys are the queries'
     own; query t sees keys up to L - T + t), bf16, head dims contiguous -> [B, T, Hq, D].
 
-    2-core Xeon with AMX, SmolLM2's 9 query and 3 KV heads of 64 (`braid bench-attention`,
-    same run): 8 x 512 tokens in 9.2-10.5 ms against SDPA's 17.6, 1 x 2048 in 11.8-12.7
-    against 19.2, 1 x 512 after 1,536 cached in 5.6-6.9 against 11.8. 2-core Zen 4 (no AMX),
-    against `blocked_causal_attention` alternating: 8 x 512 in 10.0 ms against 16.7, 1 x 2048
-    14.4 against 30.3, 1 x 512 after 1,536 cached 6.2 against 12.2 (SDPA: 36-41 ms at 8 x 512)."""
+    Faster than SDPA with AMX and than `blocked_causal_attention` without, fresh prompts and
+    chunks after a cached prefix alike (docs/kernel-choices.md, "Prefill attention")."""
     return torch.ops.braid.causal_prefill_attention(q, k, v, scale)
 

@@ -77,17 +77,15 @@ class ParallelLMHead(nn.Module, Quantizable):
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[tokens, this rank's vocabulary], contiguous or a transposed view."""
-        # The packed weight is the fastest form (one thread, 24,576 rows of SmolLM2 at tp 2,
-        # weights cold, 2-core Zen 4: 1.5 / 2.2 / 5.2 ms at 1 / 8 / 32 rows, against 3.2 / 5.0
-        # / 6.7 for weight @ hidden^T and another 2 ms at 32 rows to transpose that). A
-        # compiled step (braid.worker.compiled_step) takes the linear form too: inductor packs
-        # a linear's weight, not a plain product's.
+        # The packed weight is the fastest form (docs/kernel-choices.md, "Packed bf16
+        # weights"). A compiled step (braid.worker.compiled_step) takes the linear form too:
+        # inductor packs a linear's weight, not a plain product's.
         if (self.packed is not None or int8_applies(hidden, self.int8)
                 or torch.compiler.is_compiling()):
             return linear(hidden, self.quantizable_weight(), int8=self.int8,
                           packed=self.packed, gemv=self.gemv, packed_rows=self.packed_rows)
-        # Unpacked (fp32, --no-weight-packing): weight @ hidden^T, which MKL runs about 1.5x
-        # faster than F.linear for the few rows of a decode step.
+        # Unpacked (fp32, --no-weight-packing): weight @ hidden^T, which MKL runs faster than
+        # F.linear for the few rows of a decode step.
         return torch.mm(self.quantizable_weight(), hidden.t()).t()
 
     def _gather_columns(self, local: torch.Tensor) -> torch.Tensor:

@@ -2,15 +2,12 @@
 eager or fused by `torch.compile` (`--compile`).
 
 Eager PyTorch runs each of these as several passes over memory (RMSNorm: convert, square,
-mean, scale, convert, weight); compiled, each is one loop. On the 2-core AVX-512 host, at 2048
-tokens and one thread, RMSNorm went from 1.9 to 0.5 ms and rotary from 2.1 to 0.5 ms, which
-matters most under tensor parallelism: the ranks split the GEMMs but not this work. For a few
-tokens a compiled call's dispatch (about 25 us) costs more than it saves, so steps below
-`COMPILED_MIN_TOKENS` rows stay eager (the crossover measured 64-128 tokens). Where
-`decode_kernel`'s C++ library is built (CPU), RMSNorm is its one-pass operator instead, at any
-number of rows (`rms_norm`). SiLU-and-multiply
-gains least in isolation (even at 256 tokens, 13% at 2048) but inside a 2048-token step of
-rank 0 at tp 2 it took 34 ms instead of 80.
+mean, scale, convert, weight); compiled, each is one loop, several times faster at prefill
+sizes, which matters most under tensor parallelism: the ranks split the GEMMs but not this
+work. For a few tokens a compiled call's dispatch costs more than it saves, so steps below
+`COMPILED_MIN_TOKENS` rows stay eager. Where `decode_kernel`'s C++ library is built (CPU),
+RMSNorm is its one-pass operator instead, at any number of rows (`rms_norm`). Figures:
+docs/kernel-choices.md, "Elementwise work".
 
 Modes (the rank's `KernelPlan.fused_elementwise`): `off` never compiles; `on` compiles when the
 rank starts (a few seconds, announced); `auto` compiles the first time a step is large enough,
@@ -54,9 +51,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 def _rotate_by_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       interleaved: bool) -> torch.Tensor:
     """`_rotate` for the compiler, the same bits: each rotated half is written into its place
-    of the output instead of joined by `cat`, whose compiled form was the slower (4,096 tokens
-    x 12 heads of SmolLM2 after their GEMM, 2-core Xeon: 2.8-3.1 ms against 4.5-5.7). Eager
-    keeps `_rotate`, one op fewer (47 against 57 us at one token, 85 against 92 at 32)."""
+    of the output instead of joined by `cat`, whose compiled form was the slower. Eager keeps
+    `_rotate`, one op fewer and the faster there."""
     xf = x.float()
     x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleaved else xf.chunk(2, dim=-1)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -149,10 +145,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * x / rms(x)`, computed in fp32 and cast back (as Hugging Face Llama does).
 
     Eager on CPU, for float32 and bf16, this is braid's C++ operator (`csrc/rms_norm.cpp`, one
-    pass per row, rounded once as the compiled formula is) at any number of rows: one core of a
-    2-core Zen 4 host, bf16 rows of 576, took 2.6 us at one row and 6.1 at 32 against eager's 16
-    and 27, and beat the compiled kernel too (17 against 50 us at 128 rows, 0.47 against 0.75 ms
-    at 4,096). In a compiled graph inductor fuses the formula with its neighbours instead."""
+    pass per row, rounded once as the compiled formula is) at any number of rows: faster than
+    eager and than the compiled kernel at every size measured. In a compiled graph inductor
+    fuses the formula with its neighbours instead."""
     if not torch.compiler.is_compiling() and _native_fits(x, weight):
         return torch.ops.braid.rms_norm(x.contiguous(), weight, eps)
     return _kernels.pick("rms_norm", x.shape[0])(x, weight, eps)

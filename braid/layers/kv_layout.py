@@ -69,8 +69,8 @@ def store(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -
     block, offset = slot_mapping // block_size, slot_mapping % block_size
     if is_paired(cache) and cache.dim() == 6 and not torch.compiler.is_compiling():
         # Paired keys: a pair of head dims read as one element of twice the width is laid out
-        # as tokens innermost, whose write is an index_put on two indices (a prompt step's
-        # 2,048 rows of SmolLM2 in bf16: 68 us against 1,057 through the pair axes). Not in a
+        # as tokens innermost, whose write is an index_put on two indices (a fraction of the
+        # time of a write through the pair axes: docs/kernel-choices.md). Not in a
         # compiled graph: inductor (torch 2.13) writes through such a dtype view wrongly.
         wide = _PAIR_AS_ONE[cache.dtype]
         cache = cache.view(wide).squeeze(-1).flatten(1, 2)

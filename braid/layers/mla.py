@@ -82,7 +82,7 @@ class LatentAttention(nn.Module):
             keys = gather_blocks(self.cache, meta.block_tables, self.cache_scales,
                                  q.dtype)  # [B, L, 1, kv_lora + rope]
             # The values are the latents' first kv_lora_rank columns. Passing the whole rows
-            # keeps one head size (SDPA's fused path, about 1.8x faster here); the extra
+            # keeps one head size (SDPA's fused path, the faster here); the extra
             # output columns are dropped.
             out = decode_attention(q, keys, keys, meta.key_mask, self.scale)
         else:
@@ -118,6 +118,6 @@ class LatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [keys, h, .]
         k = torch.cat([k_nope, k_rope[:, None].expand(-1, self.num_heads, -1)], dim=-1)
         # SDPA's fused kernels want one head size for q, k and v; zero-padding v to it is
-        # 1.5-2.5x faster on CPU than the generic path taken for v 128 against qk 192.
+        # faster on CPU than the generic path taken for v 128 against qk 192.
         v = F.pad(v, (0, max(0, k.shape[-1] - self.v_dim)))
         return causal_attention(q, k, v, mask, self.scale)[..., :self.v_dim]

@@ -2,19 +2,13 @@
 
 **Packed bf16 (CPU, default).** Each bf16 linear weight also gets oneDNN's blocked copy, which
 GEMMs of at most the rank's `KernelPlan.packed_max_rows` rows (decode, short prompts) read:
-they no longer reorder the
-weight on every call. Measured on AMX (2 cores, SmolLM2's shapes, weights streamed from memory):
-1.4x faster at 1-128 rows, 2.7x at 256 (where the row-major GEMM takes a slow path);
-bit-identical results. With AMX, larger GEMMs read the row-major weight, which is kept: in
-whole prefill steps on the same host it was faster from 512 rows on (1 x 512 1.07x, 2 x 512
-1.04x, 8 x 512 1.14x, the row-major model faster in 20 of 24 interleaved steps at 512-4096
-rows). Without AMX (AVX512-BF16, 2-core Zen 4) the packed weights win at every size: whole
-prefill steps 1.04x faster at 1 x 512, 1.11x at 2 x 512, 1.05x at 8 x 512 (best of 6-10
-interleaved steps). The copy costs the weights' bytes again. fp32 keeps the row-major weights
-only (oneDNN's packed fp32 GEMM was not faster). `--no-weight-packing` turns it off.
-A SwiGLU's merged gate/up weight is packed as its two halves instead, and `gated_silu` applies
-SiLU and the product in the two GEMMs' oneDNN epilogues (eager decode steps 0.95-0.97x at 1 row
-and 0.98-0.99x at 32 against one merged packed GEMM, but no pass over the activation).
+they no longer reorder the weight on every call, with bit-identical results. With AMX, larger
+GEMMs read the row-major weight, which is kept: AMX's GEMM reorders it faster than it reads
+the blocked copy; without AMX the packed weights win at every size. The copy costs the
+weights' bytes again. fp32 keeps the row-major weights only (oneDNN's packed fp32 GEMM was not
+faster). `--no-weight-packing` turns it off. A SwiGLU's merged gate/up weight is packed as its
+two halves instead, and `gated_silu` applies SiLU and the product in the two GEMMs' oneDNN
+epilogues: no pass over the activation. Figures: docs/kernel-choices.md, "Weights".
 Packed weights are oneDNN's opaque tensors, which compiled graphs cannot take as inputs, so the
 GEMM over one is braid's operator `packed_linear` (`csrc/packed_linear.cpp`), which finds the
 weight by its number in a table of the process (a one-element tensor, so that one graph serves
@@ -24,9 +18,8 @@ every layer): eager steps and compiled graphs (their GEMMs of few rows) call the
 output channel (`scale = max |w| / 127`), quantised from this rank's shard. A GEMM of a few rows
 (decode at small batch) reads the int8 copy through `aten._weight_int8pack_mm`, half the bytes
 of bf16; larger GEMMs keep the dense weight, where that kernel is several times slower
-(measured with bf16 activations on AVX-512: 3x faster at 1 row, even at 8, 3.3x slower at 32,
-against the row-major weight). The kernel is vectorised for 16-bit activations only, so fp32
-models keep the dense path (a warning says so). Inside a compiled step's graph for one
+(docs/kernel-choices.md, "int8 weights"). The kernel is vectorised for 16-bit activations
+only, so fp32 models keep the dense path (a warning says so). Inside a compiled step's graph for one
 sequence the GEMMs read the int8 weights through braid's GEMV operator where the CPU has
 AVX512-BF16 (`decode_kernel.gemv`).
 """
@@ -220,8 +213,8 @@ def gated_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     """`silu(x @ gate.T) * (x @ up.T)` for the packed `gate` and `up` (`packed_halves`, of
     `columns` outputs each): two oneDNN GEMMs, the first applying SiLU to its fp32 sums, the
     second multiplying its sums by the first's output, so neither the merged projection nor the
-    activation is another pass over memory. 2-core Xeon with AMX, 4096 rows of SmolLM2 (576 ->
-    2 x 1536): 6.6 ms against 7.6-7.8 for the merged GEMM and the compiled `silu_mul`."""
+    activation is another pass over memory (faster than the merged GEMM and the compiled
+    `silu_mul` at prefill sizes: docs/kernel-choices.md, "Packed bf16 weights")."""
     rows = x.reshape(-1, x.shape[-1])
     activated = torch.ops.braid.packed_linear(rows, gate, columns, None, "swish", None)
     y = torch.ops.braid.packed_linear(rows, up, columns, None, "mul", activated)

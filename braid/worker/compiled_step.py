@@ -25,8 +25,7 @@ Neither freezes the weights into the graph: the decode graph is saved by dynamo'
 (`compiled/`, keyed by braid's code, torch, the model file, the rank and what shapes the graph;
 inductor's own cache of the kernels lies beside it, `inductor/`), so a warm start loads the
 graphs in seconds and compiles nothing. Packed oneDNN weights reach graphs by number
-(`quant.packed_linear`). Measured figures: docs/benchmarks.md, "Xeon with AMX: compiled steps at
-every tp".
+(`quant.packed_linear`). Measured figures: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ from braid.step import StepPlan
 
 # Set once in a rank process (`configure_compiler`), for every graph it compiles:
 # assert_indirect_indexing off: no bounds check per indexed load (token ids are checked when a
-# request is added; slots and block tables are the engine's own), 8-12% of decode attention.
+# request is added; slots and block tables are the engine's own), a tenth of decode attention.
 _INDUCTOR = {"assert_indirect_indexing": False}
 # Floats a step reads (the norms' epsilon) are constants of the graph, not inputs made into
 # tensors on every call. Nothing a step varies is a float: sampling runs outside the graph.

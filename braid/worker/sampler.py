@@ -130,8 +130,8 @@ def sample(logits: torch.Tensor, params: SamplingBatch, generator: torch.Generat
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """A token drawn from one row of probabilities (not necessarily normalised): the first
-    whose running sum exceeds a uniform draw times the total. torch.multinomial took about
-    5 ms per 49,152-token row on CPU, 155 ms for 32 rows (2-core Xeon); this takes 0.07."""
+    whose running sum exceeds a uniform draw times the total: a small fraction of
+    torch.multinomial's time on CPU (docs/kernel-choices.md, "Sampling")."""
     cumulative = probs.cumsum(0, dtype=torch.float64)
     total = cumulative[-1].item()
     if not 0 < total < float("inf"):
@@ -145,14 +145,13 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 def _row_max(logits: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     """Each row's greatest logit (numpy) and the index of its first occurrence; a row with
     a NaN gets its first NaN. On CPU through numpy's argmax, which is vectorised where
-    torch's reductions with indices are not: one row of 49,152 fp32 logits 11 against 130 us,
-    32 rows 0.34 against 2.0 ms (2-core Xeon); at batch 32 that was 8% of a compiled decode
-    step."""
+    torch's reductions with indices are not (several times faster: docs/kernel-choices.md,
+    "Sampling")."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         values = logits.numpy()
         tokens = values.argmax(axis=-1)
         return values[np.arange(len(tokens)), tokens], torch.from_numpy(tokens)
-    # max with indices is the argmax (the first greatest), 2.5x faster than argmax on CPU
+    # max with indices is the argmax (the first greatest), and faster than argmax
     chosen, tokens = logits.max(dim=-1)
     return chosen.float().cpu().numpy(), tokens
 

@@ -33,11 +33,10 @@ POLL_S = 0.05
 # - glibc malloc keeps freed memory instead of returning large blocks to the OS, so each step's
 #   activations reuse warm pages rather than page-faulting fresh ones (a prefill's MLP spent
 #   more time in page faults than in its elementwise work without this);
-# - libgomp's idle threads spin for longer (about 0.25 s on a 2-core Zen 5, against its default
-#   of a few ms) before they sleep: a compiled decode step of one sequence runs ~120 parallel
-#   GEMVs with serial gaps between them, and waking sleeping threads for them cost a quarter of
-#   the step (`bench-one-batch --compile on`, bs 1: 1.15-1.32x decode with this; Hugging Face
-#   in the same rank process 0.99x). An idle engine's threads still go to sleep.
+# - libgomp's idle threads spin for longer (a fraction of a second, against its default of a
+#   few ms) before they sleep: a compiled decode step of one sequence runs many parallel GEMVs
+#   with serial gaps between them, and waking sleeping threads for them cost a large share of
+#   the step (docs/kernel-choices.md, "Compiled steps"). An idle engine's threads still sleep.
 RANK_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
             "GOMP_SPINCOUNT": "10000000"}
 def describe_exit(exitcode: int) -> str:
