@@ -7,6 +7,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from braid.config import ParallelConfig
+
+TIMEOUT_S = ParallelConfig().comm_timeout_s  # the engine's default: how long a peer is awaited
+
 
 def raise_on_rank_1(rank, world_size, conn):
     conn.send(("ok", "ready"))
@@ -37,7 +41,7 @@ def shm_against_gloo(rank, world_size, conn, segment):
     from braid.distributed.comm import TorchCommunicator
     from braid.distributed.shm import ShmCommunicator
 
-    shm = ShmCommunicator(rank, segment)
+    shm = ShmCommunicator(rank, segment, TIMEOUT_S)
     slot_elems = segment.slot_bytes // 4
     mismatches = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -72,7 +76,7 @@ def shm_reduce_into_against_gloo(rank, world_size, conn, segment):
     same bits. Answers the mismatches."""
     from braid.distributed.shm import ShmCommunicator
 
-    shm = ShmCommunicator(rank, segment)
+    shm = ShmCommunicator(rank, segment, TIMEOUT_S)
     slot_rows = segment.slot_bytes // (4 * 6)
     mismatches = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -99,7 +103,7 @@ def shm_block_sum_rounds_once(rank, world_size, conn, segment):
     with vector tails and beyond a slot. Answers the mismatches."""
     from braid.distributed.shm import ShmCommunicator
 
-    shm = ShmCommunicator(rank, segment)
+    shm = ShmCommunicator(rank, segment, TIMEOUT_S)
     mismatches = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for shape in ((1, 576), (32, 576), (3, 100), (1500, 576)):
@@ -124,7 +128,7 @@ def shm_outstanding(rank, world_size, conn, segment):
     """Four collectives in flight at once (posted, then waited in order)."""
     from braid.distributed.shm import ShmCommunicator
 
-    shm = ShmCommunicator(rank, segment)
+    shm = ShmCommunicator(rank, segment, TIMEOUT_S)
     inputs = [torch.full((50 * (i + 1),), float(rank + 1) * (i + 1)) for i in range(4)]
     pending = [shm.all_reduce_async(x) for x in inputs[:3]]
     gathering = shm.all_gather_async(inputs[3])
@@ -156,7 +160,7 @@ def shm_rank_1_absent(rank, world_size, conn, segment):
 def shm_then_raise(rank, world_size, conn, segment):
     from braid.distributed.shm import ShmCommunicator
 
-    shm = ShmCommunicator(rank, segment)
+    shm = ShmCommunicator(rank, segment, TIMEOUT_S)
     shm.all_reduce(torch.ones(4))
     conn.send(("ok", "ready"))
     conn.recv()

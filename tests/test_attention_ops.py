@@ -134,7 +134,9 @@ def paged_attention(hq, hk, dim, tokens_innermost, num_blocks=12, block_size=4,
 def layout_plan(dtype: torch.dtype, block_size: int, head_dim: int,
                 tokens_innermost: bool) -> KernelPlan:
     """A kernel plan with the cache layout a rank's plan gives these shapes."""
-    return KernelPlan(kv_layout=cache_layout(dtype, block_size, head_dim, tokens_innermost))
+    if not tokens_innermost:
+        return KernelPlan()
+    return KernelPlan(kv_layout=cache_layout(dtype, block_size, head_dim))
 
 
 def test_both_cache_layouts_store_and_gather_the_same_tokens():
@@ -335,7 +337,7 @@ def test_the_decode_kernel_serves_a_rank_of_unequal_groups(heads, kv_heads, tp):
     for shard in partition_heads(heads, kv_heads, tp):
         attn = PagedAttention(shard.q_count, shard.kv_count, 64, shard.runs())
         attn.allocate_cache(16, 16, torch.float32, torch.device("cpu"),
-                            layout_plan(torch.float32, 16, 64, tokens_innermost=True))
+                            KernelPlan(kv_layout=cache_layout(torch.float32, 16, 64)))
         fill_cache(attn, gen)
         assert decode_kernel.attention_fits(attn.padded_heads, attn.k_cache, torch.float32)
         lengths = [40, 17, 1]

@@ -137,7 +137,9 @@ needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is No
 
 
 @pytest.mark.parametrize("backend_args", [
-    ["--model", "tiny_llama", "--tp", "2"],
+    # overlap off: whether `auto` learns to overlap steps this small depends on the host's
+    # timing (what it learns is tested in test_step_choice)
+    ["--model", "tiny_llama", "--tp", "2", "--overlap", "off"],
     pytest.param(["--backend", "hf"], marks=pytest.mark.slow),
     pytest.param(["--backend", "llama.cpp"], marks=needs_llama_cpp)])
 def test_bench_one_batch_prints_sglang_lines_and_a_jsonl_row(backend_args, tmp_path: Path,

@@ -7,7 +7,7 @@ import torch
 from conftest import slow
 
 from braid import LLM, SamplingParams
-from braid.config import KVCacheConfig, StepSwitches
+from braid.config import KVCacheConfig, SchedulerConfig, StepSwitches
 from braid.worker.split import split_step
 
 # the default of --tbo-token-distribution-threshold
@@ -52,7 +52,9 @@ def test_the_cases_really_split(prompt_ids):
     from braid.engine.scheduler import Scheduler
 
     def plan_for(prompts):
-        scheduler = Scheduler(BlockManager(KVCacheConfig(4096, 16)), 8192, 64, 8192)
+        scheduler = Scheduler(BlockManager(KVCacheConfig(4096, 16)),
+                              SchedulerConfig(max_num_batched_tokens=8192,
+                                              max_running_requests=64), max_context=8192)
         for i, p in enumerate(prompts):
             scheduler.add(Sequence(i, str(i), 0, list(p), SamplingParams(temperature=0)))
         return build_plan(scheduler.schedule(), 16, 0)[0]

@@ -11,7 +11,7 @@ import pytest
 from conftest import slow
 from engine_utils import RunnerExecutor, fake_core, fake_next_token, run_requests
 
-from braid.config import EngineConfig, KVCacheConfig
+from braid.config import EngineConfig, KVCacheConfig, SchedulerConfig
 from braid.engine.core import EngineCore
 from braid.engine.kv_cache import BlockManager
 from braid.engine.request import SamplingParams, Sequence
@@ -109,7 +109,8 @@ def test_rejected_tokens_give_their_blocks_back():
 
 def test_a_draft_takes_no_block_a_later_decode_needs():
     blocks = BlockManager(KVCacheConfig(max_total_tokens=16, block_size=4))  # 4 blocks
-    scheduler = Scheduler(blocks, max_num_batched_tokens=64, max_running=8, max_context=64)
+    scheduler = Scheduler(blocks, SchedulerConfig(max_num_batched_tokens=64,
+                                                  max_running_requests=8), max_context=64)
     first, second = (Sequence(i, str(i), 0, [1, 2, 3, 4], SamplingParams()) for i in range(2))
     for seq in (first, second):  # each has filled its block: its next token needs another
         seq.output_ids, seq.blocks, seq.num_computed = [5], blocks.allocate(1), 4

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from braid import native
-from braid.config import DTYPES, resolve_dtype
+from braid.config import DTYPES, ParallelConfig, resolve_dtype
 from braid.distributed.comm import Communicator, TorchCommunicator
 from braid.distributed.ranks.local import LocalRankGroup
 from braid.distributed.shm import ShmCommunicator, ShmSegment
@@ -83,7 +83,8 @@ def bench_comm_worker(rank: int, world_size: int, conn, backends: list[str], siz
     configure_compile("auto", native.load())  # as a rank configures it
     rows = []
     for backend in backends:
-        comm = (ShmCommunicator(rank, segment) if backend == "shm"
+        comm = (ShmCommunicator(rank, segment, ParallelConfig().comm_timeout_s)
+                if backend == "shm"
                 else TorchCommunicator(rank, world_size))
         for op in OPS:
             for nbytes in sizes:

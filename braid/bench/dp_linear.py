@@ -24,7 +24,14 @@ from braid.bench.harness import (
     fastest_by_mode,
     timed,
 )
-from braid.config import DTYPES, SWITCH_CHOICES, EngineConfig, resolve_comm, resolve_dtype
+from braid.config import (
+    DTYPES,
+    SWITCH_CHOICES,
+    EngineConfig,
+    ParallelConfig,
+    resolve_comm,
+    resolve_dtype,
+)
 from braid.distributed.comm import TorchCommunicator
 from braid.distributed.ranks.local import LocalRankGroup
 from braid.distributed.shm import ShmCommunicator, ShmSegment, activation_slot_bytes
@@ -91,7 +98,8 @@ def dp_linear_worker(rank: int, world_size: int, conn, hidden: int, out_sizes: l
                      dtype: str, token_counts: list[int], repeat: int,
                      segment: ShmSegment | None) -> None:
     """Rank entry point: time both forms at every token count; rank 0 answers the rows."""
-    comm = (ShmCommunicator(rank, segment) if segment is not None
+    timeout_s = ParallelConfig().comm_timeout_s  # the engine's default
+    comm = (ShmCommunicator(rank, segment, timeout_s) if segment is not None
             else TorchCommunicator(rank, world_size))
     layer = DataParallelLinear(hidden, out_sizes, comm, shard_ids=list(range(len(out_sizes))),
                                dtype=DTYPES[dtype])

@@ -144,7 +144,7 @@ class ShmCommunicator(Communicator):
     (`csrc/shm_ring.cpp`: `shm_post`, `shm_all_reduce`, `shm_all_gather`), which compiled
     graphs call too."""
 
-    def __init__(self, rank: int, segment: ShmSegment, timeout_s: float = 60.0) -> None:
+    def __init__(self, rank: int, segment: ShmSegment, timeout_s: float) -> None:
         super().__init__(rank, segment.world_size)
         if not native.load():
             raise UserError("--comm shm needs braid's C++ operators, which could not be built "

@@ -59,10 +59,8 @@ class EngineCore:
         self.model_config = model_config
         self.executor = executor
         self.blocks = BlockManager(config.kv_cache)
-        self.scheduler = Scheduler(self.blocks, config.scheduler.max_num_batched_tokens,
-                                   config.scheduler.max_running_requests,
-                                   model_config.max_position_embeddings,
-                                   config.scheduler.max_skip_age_s)
+        self.scheduler = Scheduler(self.blocks, config.scheduler,
+                                   model_config.max_position_embeddings)
         # The per-step switches: a benchmark replaces them between steps to compare settings
         self.switches = config.switches
         self._has_dp_linear = model_class(model_config).has_dp_linear

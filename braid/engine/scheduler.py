@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
+from braid.config import SchedulerConfig
 from braid.engine.grammar import accept_token
 from braid.engine.kv_cache import BlockManager
 from braid.engine.plan import SequenceRows
@@ -103,14 +104,13 @@ class WaitingQueue:
 class Scheduler:
     """Chooses each step's sequences and records what the step produced."""
 
-    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_running: int,
-                 max_context: int, max_skip_age_s: float = 10.0,
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig, max_context: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.blocks = blocks
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_running = max_running
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_running = config.max_running_requests
         self.max_context = max_context
-        self.max_skip_age_s = max_skip_age_s
+        self.max_skip_age_s = config.max_skip_age_s
         self.clock = clock  # for the skip age
         self.waiting = WaitingQueue()
         self.running: dict[Sequence, None] = {}  # an insertion-ordered set: oldest first

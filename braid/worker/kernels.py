@@ -37,9 +37,10 @@ def plan_kernels(engine: EngineConfig, model: nn.Module) -> KernelPlan:
                     else compile_applies(device, model))
     decode_operator = operators and decode_operator_fits(engine, model)
     attention = model.attention_layers()
-    # the decode operator and compiled steps both read a block's tokens innermost
-    layout = cache_layout(kv_dtype, engine.kv_cache.block_size, attention[0].head_dim,
-                          innermost=decode_operator or not_compiled is None)
+    layout = kv_layout.TOKEN_MAJOR
+    if decode_operator or not_compiled is None:  # both read a block's tokens innermost
+        # (both need every attention layer paged, so the first's head dim is theirs)
+        layout = cache_layout(kv_dtype, engine.kv_cache.block_size, attention[0].head_dim)
     return KernelPlan(
         operators=operators,
         kv_layout=layout,
@@ -56,11 +57,9 @@ def plan_kernels(engine: EngineConfig, model: nn.Module) -> KernelPlan:
         not_compiled=not_compiled)
 
 
-def cache_layout(kv_dtype: torch.dtype, block_size: int, head_dim: int, innermost: bool) -> str:
-    """The KV cache's `kv_layout`: token-major, or with a block's tokens innermost, in pairs
-    where the decode operator reads this cache dtype two elements at a time."""
-    if not innermost:
-        return kv_layout.TOKEN_MAJOR
+def cache_layout(kv_dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+    """The `kv_layout` of a KV cache whose blocks are read with their tokens innermost: in
+    pairs where the decode operator reads this cache dtype two elements at a time."""
     if decode_kernel.pairs_fit(kv_dtype, block_size, head_dim):
         return kv_layout.PAIRS
     return kv_layout.TOKENS_INNERMOST
