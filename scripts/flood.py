@@ -6,7 +6,7 @@ Sends 200 concurrent completions requests, of which 20 are large (400 prompts x 
 small (one prompt, 32 tokens); one second in, a plain one-prompt request of another client.
 Prints the plain request's latency, the status counts of the flood, and the server's queue and
 rejection metrics; then leaves (its requests are aborted by the server). Every request's loop
-is bounded in count and time. See docs/benchmarks.md ("A flood and a plain request").
+is bounded in count and time. See docs/serving.md ("Limits and errors").
 """
 
 from __future__ import annotations

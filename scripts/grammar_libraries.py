@@ -3,7 +3,7 @@ embedded model's tokenizer: tokenizer conversion, compiling a JSON schema, filli
 bitmask per step while a valid JSON text is fed token by token, and masking 32 rows of
 logits. xgrammar is not a dependency of braid; install it to compare
 (`pip install --no-deps xgrammar apache-tvm-ffi`: its own dependencies pull triton, which a
-CPU never uses). Figures and the choice: docs/benchmarks.md, "Structured outputs"."""
+CPU never uses). Figures and the choice: docs/performance.md, "Structured outputs"."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ def test_block_sums_into_the_residual_equal_torch_distributed(world_size):
 def test_block_sums_round_once(world_size):
     """Rounded once, as `(a.float() + b.float() + residual.float()).to(dtype)`: rounding the
     ranks' sum before adding the residual moved tp 2's bf16 logits off transformers' (see
-    docs/benchmarks.md, "Zen 4: where tp 2 stands against tp 1")."""
+    docs/correctness.md, "Rounding in bf16")."""
     group, _ = launch(world_size, rank_targets.shm_block_sum_rounds_once, num_slots=4,
                       slot_bytes=1 << 20)
     try:

@@ -1,7 +1,7 @@
 // Grammar masks on logits: the tokens a row's bitmask excludes become -inf, in place.
 // Bit t of a row's int32 words (least significant first) allows token t, as llguidance and
 // xgrammar fill them. ATen's masked_fill over an unpacked mask was several times slower
-// (docs/benchmarks.md, "Structured outputs"); whole words of allowed
+// (docs/performance.md, "Structured outputs"); whole words of allowed
 // tokens (inside a JSON string, most of them) are skipped here, and words of excluded ones
 // (outside strings, most of them) filled whole.
 

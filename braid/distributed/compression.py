@@ -13,7 +13,7 @@ element.
 
 Where the link is not the bottleneck the packing costs more than it saves: `--comm-compression
 auto` measures which is faster while serving (`braid.engine.step_choice`). Figures:
-docs/benchmarks.md, "Across hosts".
+docs/multi-host.md, "Slow links: overlap and compressed partial sums".
 """
 
 from __future__ import annotations

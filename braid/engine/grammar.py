@@ -1,7 +1,7 @@
 """Constrained decoding: what a request constrains its output to (`StructuredOutputs`), and the
 per-sequence grammar matchers that turn it into a token bitmask for each step (`Grammars`).
 
-llguidance does the grammar work (see docs/benchmarks.md, "Structured outputs", for why it
+llguidance does the grammar work (see docs/performance.md, "Structured outputs", for why it
 and not xgrammar): a constraint becomes an llguidance grammar when the request is made, so a
 bad schema or pattern is the request's error before anything runs; the engine compiles it once
 per text (cached) and gives each sequence its own matcher. The driver fills the next step's
@@ -131,7 +131,7 @@ class Grammars:
     first), one matcher per constrained sequence, and the token bitmask of a step.
 
     `load_tokenizer` gives the model's Hugging Face tokenizer; it is called (and converted for
-    llguidance: docs/benchmarks.md, "Structured outputs") at the first constrained request, so
+    llguidance: docs/performance.md, "Structured outputs") at the first constrained request, so
     engines that never see one never pay for it.
     """
 

@@ -225,7 +225,7 @@ def _filtered_probs(logits: torch.Tensor, top_ks: list[int], top_ps: torch.Tenso
     """Softmax after masking tokens outside each row's top-k and top-p (nucleus) set and
     below min-p times the most likely token's probability. Rows without any of the three are
     a plain softmax: sorting the vocabulary of every row was most of a step's time when 32
-    sequences sampled at temperature 1 (docs/benchmarks.md, "Speculative decoding")."""
+    sequences sampled at temperature 1 (docs/performance.md, "Speculative decoding")."""
     vocab = logits.shape[-1]
     k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_ks], device=logits.device)
     filtered_rows = (k < vocab) | (top_ps < 1) | (min_ps > 0)
