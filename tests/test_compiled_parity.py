@@ -8,8 +8,6 @@ tests on the embedded model (test_hf_parity)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from conftest import slow
@@ -74,7 +72,7 @@ def test_compiled_steps_match_transformers_with_and_without_overlap(tp, comm, ti
         assert scheduler.num_draft_tokens > 0  # (the random model copies little)
         assert llm.core.steps_by_path["graph"] > paths["all"]["graph"]
         # ... and so do the proposals of a draft model (the model itself: all accepted)
-        draft = replace(llm.config, speculative="draft", draft_model=tiny_llama)
+        draft = llm.config.replace(speculative="draft", draft_model=tiny_llama)
         llm.core.speculator = Speculator(DraftProposer(draft, llm.model_config), 8)
         accepted, drafted = scheduler.num_accepted_tokens, scheduler.num_draft_tokens
         assert greedy(llm, "off") == ref_greedy

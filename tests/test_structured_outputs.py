@@ -283,13 +283,18 @@ def test_an_invalid_constraint_is_a_400_naming_its_field(server, body, field):
     assert completion(server, {"max_tokens": 2}).status_code == 200  # still serving
 
 
-def test_a_grammar_that_allows_no_token_before_min_tokens_is_a_400(server):
-    """Constraints that leave no token to sample (an empty regex allows only EOS, which
-    min_tokens bans) are the request's error, not the server's (the API fuzz found this
-    body answered with a 500)."""
-    response = completion(server, {"guided_regex": "", "min_tokens": 1, "max_tokens": 2})
+@pytest.mark.parametrize("body,error", [
+    # an empty regex allows only EOS, which min_tokens bans
+    ({"guided_regex": "", "min_tokens": 1}, "no token is allowed"),
+    # llguidance's mask allows a byte token that its parser then refuses
+    ({"guided_regex": "\U000603ad\u0083\U00049c85"}, "cannot be followed"),
+])
+def test_a_constraint_that_cannot_be_generated_is_a_400(server, body, error):
+    """Constraints that cannot be followed are the request's error, not the server's (the API
+    fuzz found both bodies answered with a 500)."""
+    response = completion(server, {**body, "max_tokens": 2})
     assert response.status_code == 400, response.text
-    assert "no token is allowed" in response.json()["error"]["message"]
+    assert error in response.json()["error"]["message"]
     assert completion(server, {"max_tokens": 2}).status_code == 200  # still serving
 
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from braid.config import SchedulerConfig
-from braid.engine.grammar import accept_token
+from braid.engine.grammar import GrammarRefused, accept_token
 from braid.engine.kv_cache import BlockManager
 from braid.engine.plan import SequenceRows
 from braid.engine.request import Sequence
@@ -290,11 +290,13 @@ class Scheduler:
                     self._finish(seq, delta.finish_reason)
             except AssertionError:
                 raise  # the block manager's own invariants: the engine is broken, not a request
+            except GrammarRefused as e:
+                deltas.append(self.fail(seq, str(e), invalid=True))
             except Exception as e:  # noqa: BLE001 - one sequence's failure is its own
                 deltas.append(self.fail(seq, request_failure("recording its token", e)))
         return deltas
 
-    def fail(self, seq: Sequence, error: str) -> SequenceDelta:
+    def fail(self, seq: Sequence, error: str, invalid: bool = False) -> SequenceDelta:
         """End a sequence with an error (its blocks are free at once); the delta saying so,
         `invalid` where the request's own constraints caused it."""
         if not seq.finished:
@@ -302,7 +304,7 @@ class Scheduler:
                 self.abort(seq)
             seq.finish_reason = "error"
         return SequenceDelta(seq.request_id, seq.index, finish_reason="error", error=error,
-                             invalid=error == NO_TOKEN_ALLOWED)
+                             invalid=invalid)
 
     def _record_tokens(self, seq: Sequence, result: StepResult,
                        rows: SequenceRows) -> SequenceDelta:
@@ -326,7 +328,8 @@ class Scheduler:
             row = rows.sample_row + j
             token = result.tokens[row]
             if token is None:
-                return self.fail(seq, result.errors[row])
+                error = result.errors[row]
+                return self.fail(seq, error, invalid=error == NO_TOKEN_ALLOWED)
             if seq.grammar is not None and accept_token(seq.grammar, token):
                 delta.finish_reason = "stop"  # a complete grammar: nothing else may follow
             seq.output_ids.append(token)
