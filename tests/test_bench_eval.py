@@ -153,6 +153,7 @@ def test_mmlu_questions_use_the_dev_shots():
 
 
 @needs_mmlu
+@pytest.mark.slow  # make test checks the harness's prompts; this whole run compares backends
 def test_eval_mmlu_braid_answers_as_transformers_does(tmp_path):
     out = tmp_path / "mmlu.jsonl"
     common = ["eval-mmlu", "--data-dir", str(MMLU), "--subjects", "anatomy", "--limit", "6",

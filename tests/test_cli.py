@@ -178,6 +178,7 @@ def test_bench_one_batch_says_how_to_get_llama_cpp(monkeypatch):
         llama_cpp.LlamaCppWorkload(EngineConfig.create(model=__file__), 1, 32)
 
 
+@pytest.mark.slow  # make test launches under torchrun in test_two_host_serving
 def test_torchrun_launch_matches_spawned_ranks():
     args = ["generate", "--tp", "2", "--temperature", "0", "--max-new-tokens", "8", "--json",
             "The capital of France is"]

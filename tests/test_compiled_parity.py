@@ -46,7 +46,7 @@ def greedy(llm: LLM, overlap: str) -> list[list[int]]:
     return [out.token_ids for out in llm.generate(PROMPTS, params)]
 
 
-@pytest.mark.parametrize("tp, comm", [(1, "auto"), (2, "shm"), slow(2, "torch"), slow(3, "shm"),
+@pytest.mark.parametrize("tp, comm", [slow(1, "auto"), (2, "shm"), slow(2, "torch"), slow(3, "shm"),
                                       slow(3, "torch")])
 def test_compiled_steps_match_transformers_with_and_without_overlap(tp, comm, tiny_llama,
                                                                     tiny_reference):

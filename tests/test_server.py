@@ -294,6 +294,7 @@ def test_a_dead_rank_ends_the_server_within_10s(tmp_path):
         assert not shm_segments_of(engine.pid)
 
 
+@pytest.mark.slow  # compiled steps: test_compiled_parity; saved graphs: test_compiled_step
 def test_a_server_compiles_its_steps_at_start_and_loads_them_the_next_time(tiny_llama,
                                                                           tmp_path,
                                                                           monkeypatch):

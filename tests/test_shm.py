@@ -209,6 +209,7 @@ def test_shm_is_refused_where_stores_are_not_totally_ordered(monkeypatch):
         ShmSegment.create(2)
 
 
+@pytest.mark.slow  # make test: slot reuse in test_four_outstanding_operations_complete_in_order
 def test_long_prompt_logits_with_overlap_do_not_deadlock(model_path):
     """The report's reproduction, scaled down: 1,000 prompt positions' logits (half the
     vocabulary per rank, fp32) are gathered in 24 chunks of the smallest slot (4 MiB, for 1,024

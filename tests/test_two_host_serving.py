@@ -133,7 +133,9 @@ def test_sixteen_concurrent_streams(served):
                      metrics, re.MULTILINE), metrics
 
 
-@pytest.mark.parametrize("loss", ["killed", pytest.param("link_down", marks=pytest.mark.slow)])
+# make test-all: a lost host (make test: a dead rank ends a one-host server, test_server)
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["killed", "link_down"])
 def test_a_lost_host_ends_the_server_with_exit_1(tmp_path, loss):
     with two_host_server(tmp_path) as (hosts, agents, pool, url):
         if loss == "killed":
