@@ -136,17 +136,22 @@ needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is No
                                      reason="llama-cpp-python is optional: make bench-deps")
 
 
+# overlap off: whether `auto` learns to overlap steps this small depends on the host's timing
+# (what it learns is tested in test_step_choice)
+TINY_BENCH = ["--model", "tiny_llama", "--tp", "2", "--overlap", "off"]
+
+
 @pytest.mark.parametrize("backend_args", [
-    # overlap off: whether `auto` learns to overlap steps this small depends on the host's
-    # timing (what it learns is tested in test_step_choice)
-    ["--model", "tiny_llama", "--tp", "2", "--overlap", "off"],
+    # make test: eager (compiled steps' paths and tokens: test_compiled_parity)
+    [*TINY_BENCH, "--compile", "off"],
+    pytest.param(TINY_BENCH, marks=pytest.mark.slow),
     pytest.param(["--backend", "hf"], marks=pytest.mark.slow),
     pytest.param(["--backend", "llama.cpp"], marks=needs_llama_cpp)])
 def test_bench_one_batch_prints_sglang_lines_and_a_jsonl_row(backend_args, tmp_path: Path,
                                                              request):
-    """braid's run (a random Llama, compiled in seconds) says which path its steps took:
-    compiled pieces for the prompts, the decode graph for the decode steps (the default
-    `--compile auto` compiles for a benchmark)."""
+    """braid's run (a random Llama) says which path its steps took: with the default
+    `--compile auto`, which compiles for a benchmark, compiled pieces for the prompts and the
+    decode graph for the decode steps; eager steps with `--compile off`."""
     result_file = tmp_path / "bench.jsonl"
     backend_args = [request.getfixturevalue(a) if a == "tiny_llama" else a
                     for a in backend_args]
@@ -164,8 +169,9 @@ def test_bench_one_batch_prints_sglang_lines_and_a_jsonl_row(backend_args, tmp_p
     assert row["prefill_throughput"] > 0 and row["median_decode_throughput"] > 0
     assert "leaked semaphore" not in result.stderr  # the rank process's tqdm lock, once
     if "--backend" not in backend_args:
-        assert (row["prefill_path"], row["decode_path"]) == ("pieces", "graph")
-        assert "(steps: graph)" in result.stdout
+        paths = ("eager", "eager") if "--compile" in backend_args else ("pieces", "graph")
+        assert (row["prefill_path"], row["decode_path"]) == paths
+        assert f"(steps: {paths[1]})" in result.stdout
 
 
 def test_bench_one_batch_says_how_to_get_llama_cpp(monkeypatch):
