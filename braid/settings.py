@@ -60,9 +60,11 @@ def key_of(field: dataclasses.Field) -> str:
 
 
 def flag_name(field: dataclasses.Field) -> str:
+    """The flag that sets a field (`--` and its name with dashes, unless it declares one)."""
     flag = flag_of(field)
-    return (flag.name if flag is not None and flag.name else None) or \
-        "--" + field.name.replace("_", "-")
+    if flag is not None and flag.name:
+        return flag.name
+    return "--" + field.name.replace("_", "-")
 
 
 def _hints(cls: type) -> dict[str, Any]:
