@@ -52,9 +52,8 @@ class DraftProposer:
                             f"{draft_config.vocab_size} tokens, the model {target.vocab_size}: "
                             "a draft must share the model's tokenizer")
         # One rank, eager, with the target's precision and cache size, proposing nothing
-        self.engine = config.replace(model=config.speculative.draft_model, tp=1, comm="torch",
-                                     compile="off", speculative="off", draft_model=None,
-                                     trace=None, prefix_caching=False)
+        self.engine = config.replace(model=config.speculative.draft_model, tp=1, compile="off",
+                                     speculative="off", draft_model=None, prefix_caching=False)
         self.runner = resolve(MODEL_RUNNER)(self.engine, draft_config, SkipCommunicator(0, 1))
         self.blocks = BlockManager(self.engine.kv_cache)
         self._caches: dict[int, DraftCache] = {}  # by seq_id
