@@ -161,6 +161,7 @@ class SequenceDelta:
     by_stop_token: bool = False
     error: str | None = None
     invalid: bool = False  # the error is the request's own (`NO_TOKEN_ALLOWED`): a 400
+    param: str | None = None  # where invalid: the request field at fault, if one is
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
 

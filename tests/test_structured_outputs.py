@@ -283,18 +283,33 @@ def test_an_invalid_constraint_is_a_400_naming_its_field(server, body, field):
     assert completion(server, {"max_tokens": 2}).status_code == 200  # still serving
 
 
-@pytest.mark.parametrize("body,error", [
+@pytest.mark.parametrize("body,error,field", [
     # an empty regex allows only EOS, which min_tokens bans
-    ({"guided_regex": "", "min_tokens": 1}, "no token is allowed"),
+    ({"guided_regex": "", "min_tokens": 1}, "no token is allowed", None),
     # llguidance's mask allows a byte token that its parser then refuses
-    ({"guided_regex": "\U000603ad\u0083\U00049c85"}, "cannot be followed"),
+    ({"guided_regex": "\U000603ad\u0083\U00049c85"}, "cannot be followed", "guided_regex"),
+    # the grammar is complete before min_tokens (it was answered "stop" after one token)
+    ({"regex": "ab", "min_tokens": 5, "max_tokens": 8}, "is complete after 1 token ",
+     "min_tokens"),
+    # the API fuzz's body (greedy: its ten tokens complete the regex)
+    ({"prompt": "Ø/´", "regex": "x3øö7\U00036120¾", "min_tokens": 20, "max_tokens": 32,
+      "stop_token_ids": [0], "skip_special_tokens": False, "temperature": 0},
+     "is complete after", "min_tokens"),
+    # ... and with the stop token the grammar starts with, which min_tokens bans
+    ({"prompt": "Ø/´", "regex": "x3øö7\U00036120¾", "min_tokens": 5, "max_tokens": 16,
+      "stop_token_ids": [104], "temperature": 0}, "no token is allowed", None),
 ])
-def test_a_constraint_that_cannot_be_generated_is_a_400(server, body, error):
-    """Constraints that cannot be followed are the request's error, not the server's (the API
-    fuzz found both bodies answered with a 500)."""
-    response = completion(server, {**body, "max_tokens": 2})
+def test_a_constraint_that_cannot_be_generated_is_a_400(server, body, error, field):
+    """Constraints that cannot be followed are the request's error, named, not the server's
+    (the API fuzz found such bodies answered with a 500), whole and streamed."""
+    response = completion(server, {"max_tokens": 2, **body})
     assert response.status_code == 400, response.text
     assert error in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == field
+    streamed = completion(server, {"max_tokens": 2, **body, "stream": True})
+    last = [line for line in streamed.text.splitlines() if line.startswith("data: {")][-1]
+    assert json.loads(last[6:])["error"]["type"] == "invalid_request_error", streamed.text
+    assert json.loads(last[6:])["error"]["param"] == field
     assert completion(server, {"max_tokens": 2}).status_code == 200  # still serving
 
 

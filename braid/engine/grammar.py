@@ -205,19 +205,22 @@ class Grammars:
         return mask, errors
 
 
-class GrammarRefused(RuntimeError):
+class GrammarRefused(UserError):
     """A request's grammar refused a token its own mask allowed (llguidance computes both; an
     exotic constraint, such as a regex of C1 control characters, can make them disagree): the
-    request's constraint cannot be followed with this tokenizer, its own error (a 400)."""
+    request's constraint cannot be followed with this tokenizer, its own error (a 400 naming
+    the constraint's field)."""
 
 
-def accept_token(matcher, token: int) -> bool:
+def accept_token(matcher, token: int, source: str = "structured_outputs") -> bool:
     """Advance a sequence's matcher by its sampled token; whether the grammar is now complete
-    (nothing else may follow). `GrammarRefused` if the grammar refuses the token."""
+    (nothing else may follow). `GrammarRefused`, naming `source` (the constraint's API field),
+    if the grammar refuses the token."""
     if not matcher.consume_token(token):
         # llguidance's error dumps the parser's state; its last "Error:" line says why
         reason = next((line for line in reversed(matcher.get_error().splitlines())
                        if line.startswith("Error:")), "")
-        raise GrammarRefused(f"the constraint cannot be followed with this model's tokenizer: "
-                             f"its grammar refused token {token}, which it allowed. {reason}")
+        raise GrammarRefused(f"{source}: the constraint cannot be followed with this model's "
+                             f"tokenizer: its grammar refused token {token}, which it allowed. "
+                             f"{reason}", source)
     return matcher.is_stopped()

@@ -32,11 +32,11 @@ import time
 from collections.abc import Callable, Iterator
 
 from braid.config import SchedulerConfig
-from braid.engine.grammar import GrammarRefused, accept_token
+from braid.engine.grammar import accept_token
 from braid.engine.kv_cache import BlockManager
 from braid.engine.plan import SequenceRows
 from braid.engine.request import Sequence
-from braid.errors import request_failure
+from braid.errors import UserError, request_failure
 from braid.step import NO_TOKEN_ALLOWED, SequenceDelta, StepResult
 
 
@@ -290,21 +290,23 @@ class Scheduler:
                     self._finish(seq, delta.finish_reason)
             except AssertionError:
                 raise  # the block manager's own invariants: the engine is broken, not a request
-            except GrammarRefused as e:
-                deltas.append(self.fail(seq, str(e), invalid=True))
+            except UserError as e:  # what the request asks cannot be generated: a 400
+                deltas.append(self.fail(seq, str(e), invalid=True, param=e.param))
             except Exception as e:  # noqa: BLE001 - one sequence's failure is its own
                 deltas.append(self.fail(seq, request_failure("recording its token", e)))
         return deltas
 
-    def fail(self, seq: Sequence, error: str, invalid: bool = False) -> SequenceDelta:
+    def fail(self, seq: Sequence, error: str, invalid: bool = False,
+             param: str | None = None) -> SequenceDelta:
         """End a sequence with an error (its blocks are free at once); the delta saying so,
-        `invalid` where the request's own constraints caused it."""
+        `invalid` where the request's own constraints caused it (`param`: the field at fault,
+        where one is)."""
         if not seq.finished:
             if seq in self.running or seq in self.waiting:
                 self.abort(seq)
             seq.finish_reason = "error"
         return SequenceDelta(seq.request_id, seq.index, finish_reason="error", error=error,
-                             invalid=invalid)
+                             invalid=invalid, param=param)
 
     def _record_tokens(self, seq: Sequence, result: StepResult,
                        rows: SequenceRows) -> SequenceDelta:
@@ -330,8 +332,14 @@ class Scheduler:
             if token is None:
                 error = result.errors[row]
                 return self.fail(seq, error, invalid=error == NO_TOKEN_ALLOWED)
-            if seq.grammar is not None and accept_token(seq.grammar, token):
+            if seq.grammar is not None and accept_token(seq.grammar, token,
+                                                        params.structured.source):
                 delta.finish_reason = "stop"  # a complete grammar: nothing else may follow
+                if (count := len(seq.output_ids) + 1) < params.min_tokens:
+                    raise UserError(
+                        f"min_tokens: the {params.structured.source} constraint is complete "
+                        f"after {count} token{'s' * (count > 1)} and allows no more, but "
+                        f"min_tokens asks for {params.min_tokens}", "min_tokens")
             seq.output_ids.append(token)
             delta.new_token_ids.append(token)
             if result.logprobs is not None:

@@ -30,6 +30,7 @@ class CompletionState:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.invalid = False  # the error is the request's own (`SequenceDelta.invalid`)
+        self.param: str | None = None  # where invalid: the request field at fault
 
     @property
     def finished(self) -> bool:
@@ -62,7 +63,7 @@ class CompletionState:
             self.finish_reason, self.stop_reason = "stop", self.detokenizer.stop_string
         elif ending:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-            self.error, self.invalid = delta.error, delta.invalid
+            self.error, self.invalid, self.param = delta.error, delta.invalid, delta.param
         return piece, new_logprobs
 
 

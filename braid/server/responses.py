@@ -84,8 +84,11 @@ class _Responder:
         return usage(self.runs, self.report_cached)
 
     def error_chunk(self, event: TextEvent) -> dict | None:
-        if event.state.finish_reason == "error":
-            return error_body(f"generation failed: {event.state.error}", "server_error")
+        state = event.state
+        if state.finish_reason == "error":  # the request's own fault (invalid) or the server's
+            return error_body(f"generation failed: {state.error}",
+                              "invalid_request_error" if state.invalid else "server_error",
+                              state.param if state.invalid else None)
         return None
 
 
