@@ -5,28 +5,33 @@ must still complete a prompt afterwards.
 
 One test drives schemathesis from Python and collects every failure, so a run reports all of
 them at once (each with the body that was sent and the server's exception) instead of stopping
-at the first, and the fuzz stays one pytest item bounded in time (`FUZZ_BUDGET_S`)."""
+at the first, and the fuzz stays one pytest item bounded in time (`FUZZ_BUDGET_S`). A property
+test combines the output constraints with the fields that fight them (`CONSTRAINTS`), and a
+slow one runs schemathesis' CLI as an outside user does."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import hypothesis
 import pydantic
+import pytest
 import requests
 import schemathesis
 from conftest import API_KEY
 from hypothesis import HealthCheck, Phase
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from braid.loader.model_config import load_model_config
 from braid.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -117,39 +122,6 @@ def cheap(path: str, body):
     return body
 
 
-def reachable(path: str, body, model: str, vocab: int):
-    """`body` past the checks that turn away nearly every random body before the tokenizer or
-    the engine sees it, so that random sampling fields get generated with: the served model's
-    name for a random one (a 404), text for an empty prompt and for a message without content
-    (no tokens; the chat template needs content), token ids modulo the vocabulary, a prompt to
-    tokenize where neither `prompt` nor `messages` is given. The boundary cases keep all of these
-    as they are."""
-    if not isinstance(body, dict):
-        return body
-    body = dict(body)
-    if isinstance(body.get("model"), str):
-        body["model"] = model
-    if path == COMPLETIONS_PATH and "prompt" in body:
-        body["prompt"] = _reachable_prompt(body["prompt"], vocab)
-    if path == "/tokenize" and body.get("prompt") is None and body.get("messages") is None:
-        body["prompt"] = "Hi"
-    if path in (CHAT_PATH, "/tokenize") and isinstance(body.get("messages"), list):
-        body["messages"] = [{**m, "content": "Hi"}
-                            if isinstance(m, dict) and m.get("content") is None else m
-                            for m in body["messages"]]
-    return body
-
-
-def _reachable_prompt(prompt, vocab: int):
-    if isinstance(prompt, str):
-        return prompt or "Hi"
-    if _as_int(prompt) is not None and not isinstance(prompt, bool):
-        return _as_int(prompt) % vocab
-    if isinstance(prompt, list):
-        return [_reachable_prompt(p, vocab) for p in prompt]
-    return prompt
-
-
 def _fields(path: str, body) -> str:
     """The fields of `body` that the server reads, as JSON ('' where it reads no object)."""
     model = FIELDS.get(path)
@@ -196,16 +168,15 @@ class Fuzzer:
     def out_of_time(self) -> bool:
         return time.monotonic() > self.deadline
 
-    def send(self, case: schemathesis.Case, adjust: Callable | None = None) -> None:
-        """Send `case` (its body first through `adjust`) and check the answer. No session is
+    def send(self, case: schemathesis.Case) -> None:
+        """Send `case` (its body made `cheap`) and check the answer. No session is
         shared, so each request opens its own connection and a dropped one is never resent
         (schemathesis resends a request once on a reused keep-alive connection that drops)."""
         if self.out_of_time() or self.server.proc.poll() is not None:
             self.skipped += 1
             return
         if isinstance(case.body, dict):
-            body = cheap(case.path, case.body)
-            case.body = adjust(case.path, body) if adjust is not None else body
+            case.body = cheap(case.path, case.body)
         offset = self.server.log.stat().st_size
         try:
             response = case.call(base_url=self.server.base_url, headers=AUTH,
@@ -249,7 +220,7 @@ class Fuzzer:
         return [sorted(group, key=lambda f: len(f.body)) for group in kinds.values()]
 
 
-def fuzz_randomly(fuzzer: Fuzzer, operation, mode: GenerationMode, adjust: Callable) -> None:
+def fuzz_randomly(fuzzer: Fuzzer, operation, mode: GenerationMode) -> None:
     """Up to RANDOM_EXAMPLES random cases of `operation` in `mode`. Hypothesis only draws them:
     the test body never raises, so there is no shrinking and nothing stored in a database."""
 
@@ -257,7 +228,7 @@ def fuzz_randomly(fuzzer: Fuzzer, operation, mode: GenerationMode, adjust: Calla
                          phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
     def run(case) -> None:
-        fuzzer.send(case, adjust)
+        fuzzer.send(case)
 
     run()
 
@@ -268,7 +239,7 @@ def share(operation, mode: GenerationMode) -> int:
     return GENERATING_SHARE if generating and mode == GenerationMode.POSITIVE else 1
 
 
-def test_fuzz_never_a_server_error(server, model_path):
+def test_fuzz_never_a_server_error(server):
     schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json",
                                            config=schemathesis.Config(), headers=AUTH,
                                            timeout=30)
@@ -276,8 +247,6 @@ def test_fuzz_never_a_server_error(server, model_path):
     assert {op.label for op in operations} >= {
         "GET /health", "GET /metrics", "GET /v1/models", "POST /tokenize", "POST /detokenize",
         "POST /v1/completions", "POST /v1/chat/completions"}
-    model = httpx.get(f"{server.base_url}/v1/models", headers=AUTH).json()["data"][0]["id"]
-    vocab = load_model_config(model_path).vocab_size
     fuzzer = Fuzzer(server, FUZZ_BUDGET_S)
     start = time.monotonic()
 
@@ -290,9 +259,9 @@ def test_fuzz_never_a_server_error(server, model_path):
             fuzzer.send(case)
     boundary, boundary_s = fuzzer.sent, time.monotonic() - start
 
-    # Random cases, valid and invalid, steered to reach the engine (`reachable`). Each operation
-    # and mode gets its share of the time left, the quick ones first, so that what they leave
-    # goes to the generating ones.
+    # Random cases, valid and invalid (the schema states what the server checks, so most valid
+    # ones reach the engine). Each operation and mode gets its share of the time left, the
+    # quick ones first, so that what they leave goes to the generating ones.
     runs = sorted(((share(operation, mode), operation, mode) for operation in operations
                    for mode in (GenerationMode if operation.body else [GenerationMode.POSITIVE])),
                   key=lambda run: run[0])
@@ -300,8 +269,7 @@ def test_fuzz_never_a_server_error(server, model_path):
     for i, (weight, operation, mode) in enumerate(runs):
         left = sum(run[0] for run in runs[i:])
         fuzzer.deadline = time.monotonic() + (end - time.monotonic()) * weight / left
-        fuzz_randomly(fuzzer, operation, mode,
-                      lambda path, body: reachable(path, body, model, vocab))
+        fuzz_randomly(fuzzer, operation, mode)
 
     elapsed = time.monotonic() - start
     distinct = fuzzer.distinct()
@@ -331,3 +299,92 @@ def test_fuzz_never_a_server_error(server, model_path):
         f"{len(fuzzer.failures)} of {fuzzer.sent} requests got a 5xx or no answer; "
         f"{len(distinct)} distinct:\n{report}")
     assert fuzzer.sent >= 100, "the fuzz sent too few requests to mean anything"
+
+
+# Output constraints that end early, need particular tokens or allow only EOS, drawn with the
+# fields that fight them (min_tokens bans stop tokens, stop ids and logit_bias take tokens away)
+CONSTRAINTS = [{"regex": "ab"}, {"regex": "[0-9]{1,3}"}, {"guided_regex": ""},
+               {"guided_choice": ["yes", "no"]}, {"response_format": {"type": "json_object"}},
+               {"structured_outputs": {"json": {"type": "object", "required": ["a"],
+                                                "properties": {"a": {"type": "integer"}}}}},
+               {"ebnf": 'root ::= "x" [0-9]'}, {"regex": "x3øö7\U00036120¾"}]
+# Tokens the constraints above are made of, EOS (2) and other specials
+TOKENS = [0, 1, 2, 104, 369, 33, 34, 105]
+COMBINATIONS = 100  # examples, a tenth of a second each
+COMBINATION_MAX_TOKENS = 8
+
+
+@hypothesis.settings(max_examples=COMBINATIONS, deadline=None, database=None,
+                     phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+@hypothesis.given(constraint=st.sampled_from(CONSTRAINTS),
+                  min_tokens=st.integers(0, COMBINATION_MAX_TOKENS - 1),
+                  stop_token_ids=st.lists(st.sampled_from(TOKENS), max_size=2),
+                  stop=st.lists(st.sampled_from(["a", "}", "1", "\n"]), max_size=2),
+                  ignore_eos=st.booleans(),
+                  logit_bias=st.dictionaries(st.sampled_from([str(t) for t in TOKENS]),
+                                             st.sampled_from([-100, 100]), max_size=2),
+                  n=st.integers(1, 2), skip_special_tokens=st.booleans(),
+                  temperature=st.sampled_from([0, 1]), stream=st.booleans())
+def test_constraints_with_min_tokens_and_stops_are_200_or_named_400(server, constraint, stream,
+                                                                     min_tokens, n, **fields):
+    """Every combination of an output constraint with `min_tokens`, stop tokens and strings,
+    `ignore_eos`, `logit_bias`, `n` and `skip_special_tokens` is answered 200 with at least
+    `min_tokens` tokens per completion, or 400 (whole or streamed) saying why; never a 5xx
+    (the API fuzz found a 500, and a grammar complete before min_tokens answered "stop")."""
+    body = {"prompt": "Ø/´", "max_tokens": COMBINATION_MAX_TOKENS, "min_tokens": min_tokens,
+            "n": n, "stream": stream, **constraint, **fields}
+    response = httpx.post(f"{server.base_url}/v1/completions", headers=AUTH, json=body,
+                          timeout=REQUEST_TIMEOUT_S)
+    if response.status_code == 400:
+        assert response.json()["error"]["type"] == "invalid_request_error", response.text
+        return
+    assert response.status_code == 200, f"{body}: {response.status_code} {response.text}"
+    if not stream:
+        usage = response.json()["usage"]
+        assert usage["completion_tokens"] >= n * min_tokens, f"{body}: {response.text}"
+        return
+    events = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: {")]
+    errors = [event["error"] for event in events if "error" in event]
+    assert all(e["type"] == "invalid_request_error" for e in errors), f"{body}: {errors}"
+
+
+@pytest.mark.slow
+def test_schemathesis_cli_finds_no_server_error(tmp_path):
+    """schemathesis' own CLI as an outside user runs it (the issue's run: seed 7, 40 examples
+    per operation, its examples, coverage and fuzzing phases, 420 s, one worker) against
+    `braid serve --tp 2 --max-total-tokens 16384` (eager): no 5xx, no "schema validation
+    mismatch" warning (the schema states what the server checks), and each timeout a long
+    generation, which the server's log shows cut short with its tokens coming."""
+    from server_utils import braid_server
+
+    cli = Path(sys.executable).parent / "schemathesis"
+    with braid_server("--tp", "2", "--max-total-tokens", "16384", "--log-level", "info",
+                      log_dir=tmp_path) as server:
+        run = subprocess.run(
+            [str(cli), "run", f"{server.base_url}/openapi.json", "--checks",
+             "not_a_server_error", "--phases", "examples,coverage,fuzzing", "-n", "40",
+             "--seed", "7", "-w", "1", "--max-time", "420", "--request-timeout", "60",
+             "--report", "ndjson", "--report-dir", str(tmp_path), "--no-color"],
+            capture_output=True, text=True, timeout=900)
+        time.sleep(1)  # the last abandoned request's log line
+        log = server.output()
+    answers, timeouts = Counter(), 0
+    for line in next(tmp_path.glob("*.ndjson")).read_text().splitlines():
+        scenario = json.loads(line).get("ScenarioFinished", {}).get("recorder") or {}
+        for interaction in scenario.get("interactions", {}).values():
+            response = interaction.get("response")
+            if response is None:
+                timeouts += 1
+            else:
+                answers[response["status_code"]] += 1
+    # "<id>: the client went away after S s, with T of at most M tokens generated"
+    abandoned = [(float(s), int(t), int(m)) for s, t, m in re.findall(
+        r"went away after ([\d.]+) s, with (\d+) of at most (\d+) tokens", log)]
+    print(f"\nschemathesis: answers {dict(answers)}, {timeouts} timeouts; abandoned "
+          f"generations (s, tokens, asked): {sorted(abandoned)[-5:]}")
+    assert not [status for status in answers if status >= 500], run.stdout[-5000:]
+    assert "Schema validation mismatch" not in run.stdout, run.stdout[-5000:]
+    assert timeouts <= sum(1 for _, tokens, _ in abandoned if tokens > 0), (
+        f"a timeout that is not a generation in progress:\n{run.stdout[-5000:]}")
+    assert sum(answers.values()) >= 500, run.stdout[-5000:]

@@ -11,7 +11,9 @@ client that disconnects aborts its request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -97,7 +99,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
     if ctx.api_key is not None:  # outermost: nothing of a request is read before the key
         app.add_middleware(RequireAPIKey, api_key=ctx.api_key, on_reject=reject,
                            open_paths=frozenset() if ctx.api_key_all_routes else OPEN_PATHS)
-    models = bounded_models(ctx.limits, ctx.model_config.vocab_size, ctx.max_model_len)
+    models = bounded_models(ctx.limits, ctx.model_config.vocab_size, ctx.max_model_len,
+                            ctx.model_name, auto_tool_calls=ctx.tool_parser is not None)
 
     def post(path: str, body_model: type) -> Callable:
         """`app.post`, with the handler's `body` typed by this server's bounded model (a
@@ -307,17 +310,6 @@ def _tokenize(tokenizer, text: str, field: str, add_special_tokens: bool = True)
         raise APIError(400, f"{field} cannot be tokenized: {e}", field) from None
 
 
-def _text_part(part: dict) -> str:
-    """The text of a message's content part; 400 for any other kind (an image would change
-    the answer, and braid serves text models)."""
-    if part.get("type") != "text":
-        raise APIError(400, f"content parts of type {part.get('type')!r} are not supported: "
-                            "send text parts", "messages")
-    if not isinstance(part.get("text"), str):
-        raise APIError(400, "a text content part needs a string `text`", "messages")
-    return part["text"]
-
-
 def _tool_output(body: ChatCompletionRequest, parser: ToolCallParser | None) -> ToolOutput:
     """How the request's choices are read (400 for "auto" tool calls without a parser)."""
     mode = body.tool_mode
@@ -339,8 +331,11 @@ def _chat_prompt(tokenizer, messages: list[ChatMessage],
     conversation = []
     for message in messages:
         entry = message.model_dump(exclude_none=True)
-        if isinstance(message.content, list):  # content parts: text only, joined
-            entry["content"] = "".join(_text_part(part) for part in message.content)
+        text = message.text()
+        if text is not None or not entry.get("tool_calls"):
+            # Without content a template fails on a missing key; an assistant's tool calls
+            # keep their null content, which templates test for
+            entry["content"] = text or ""
         conversation.append(entry)
     try:
         ids = tokenizer.apply_chat_template(
@@ -350,6 +345,18 @@ def _chat_prompt(tokenizer, messages: list[ChatMessage],
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def _log_abandoned(runs: list[PromptRun]) -> None:
+    """Say in the server's log how far a request had got when its client went away (a client's
+    timeout on a long generation reads as a stall without it)."""
+    completions = [c for run in runs for c in run.completions]
+    generated = sum(len(c.token_ids) for c in completions)
+    asked = len(completions) * runs[0].params.max_new_tokens
+    logging.getLogger("uvicorn.error").info(
+        "%s: the client went away after %.1f s, with %d of at most %d tokens generated "
+        "(%d completions); aborted", runs[0].group, time.monotonic() - runs[0].arrival,
+        generated, asked, len(completions))
 
 
 async def _complete(raw: Request, runs: list[PromptRun], events, respond) -> Response:
@@ -368,10 +375,11 @@ async def _complete(raw: Request, runs: list[PromptRun], events, respond) -> Res
             break
         if await raw.is_disconnected():
             task.cancel()  # the caller aborts the request
+            _log_abandoned(runs)
             return Response(status_code=499)
     failed = [s for run in runs for s in run.completions if s.finish_reason == "error"]
     if failed and all(s.invalid for s in failed):  # what the request asks cannot be generated
-        raise APIError(400, f"generation failed: {failed[0].error}")
+        raise APIError(400, f"generation failed: {failed[0].error}", failed[0].param)
     if failed:
         raise APIError(500, f"generation failed: {failed[0].error}", type_="server_error")
     return JSONResponse(respond())

@@ -11,9 +11,9 @@ those are refused by name (`unsupported_field`), never silently dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, create_model
 
 from braid import settings
 from braid.engine.grammar import StructuredOutputs
@@ -63,8 +63,22 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+_NULL = {"type": "null"}  # JSON Schema's null
+
+
+def _drop_null(value: dict) -> None:
+    """Leave null (and a null default) out of a property's schema."""
+    value["anyOf"] = [option for option in value.get("anyOf", ()) if option != _NULL]
+    if value.get("default", 0) is None:
+        del value["default"]
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+Choices = Annotated[list[NonEmptyStr], Field(min_length=1)]
 
 
 class JsonSchemaFormat(OpenAIModel):
@@ -72,28 +86,92 @@ class JsonSchemaFormat(OpenAIModel):
 
     name: str = Field("response", max_length=256)
     description: str | None = None
-    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(OpenAIModel):
-    """`response_format`: free text, any JSON object, or JSON following a schema."""
+class TextFormat(OpenAIModel):
+    type: Literal["text"]
 
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+
+class JsonObjectFormat(OpenAIModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(OpenAIModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+# `response_format`: free text, any JSON object, or JSON following a schema
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat,
+                           Field(discriminator="type")]
+
+
+def _exactly_one(schema: dict) -> None:
+    """An object schema that takes exactly one of its properties, not null (the server reads
+    null as absent, and ignores unknown keys: the schema leaves both out)."""
+    for value in schema["properties"].values():
+        _drop_null(value)
+    schema.update(minProperties=1, maxProperties=1, additionalProperties=False)
 
 
 class StructuredOutputsField(OpenAIModel):
     """vLLM's `structured_outputs`: exactly one constraint."""
 
+    model_config = ConfigDict(json_schema_extra=_exactly_one)
+
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Choices | None = None
     grammar: str | None = None
-    json_object: bool | None = None
+    json_object: Literal[True] | None = None
 
 
-class SamplingFields(OpenAIModel):
+class RequestBody(OpenAIModel):
+    """A request body. Its published schema (`/openapi.json`) names the served model and says
+    what the server checks across fields, which pydantic's schema of each field cannot
+    (`publish`), so that what a client generates from the schema is what the server accepts.
+    Where a rule between fields needs it, the schema is stricter than the server (a null that
+    the server reads as absent is left out of it)."""
+
+    served_model: ClassVar[str | None] = None  # set by `bounded_models`
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler) -> dict:
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        cls.publish(schema)
+        return schema
+
+    @classmethod
+    def publish(cls, schema: dict) -> None:
+        """Add to `schema` (this model's, as pydantic writes it) the rules the server
+        checks."""
+        if cls.served_model is not None:
+            schema["properties"]["model"] = {
+                "anyOf": [{"const": cls.served_model}, _NULL], "title": "Model"}
+
+
+# The fields that constrain the output; a request gives one at most (`SamplingFields.structured`)
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar", "regex", "ebnf", "json_schema")
+
+
+def _one_at_most(schema: dict, fields: tuple[str, ...]) -> None:
+    """Make `schema` allow one of `fields` at most: each, when given, excludes the others (and
+    may not be null, which the server reads as absent)."""
+    dependent = schema.setdefault("dependentSchemas", {})
+    for field in fields:
+        _drop_null(schema["properties"][field])
+        dependent[field] = {"properties": {other: False for other in fields if other != field}}
+
+
+# /openapi.json writes bounds as floats, and 2**63 - 1 would round up to 2**63, a seed the server
+# refuses: the schema states the largest int64 range whose ends are floats
+_SEED_SCHEMA = {"type": "integer", "minimum": -(1 << 63) + 1024, "maximum": (1 << 63) - 1024}
+
+
+class SamplingFields(RequestBody):
     """Fields that completions and chat share (OpenAI's, plus vLLM's usual extensions)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # extras: see unsupported_field
@@ -103,7 +181,8 @@ class SamplingFields(OpenAIModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off; beyond the vocabulary: off
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
+    seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 63),  # any int64; the schema says
+                    WithJsonSchema(_SEED_SCHEMA)] | None = None  # a range it states exactly
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1, le=128)
@@ -124,25 +203,28 @@ class SamplingFields(OpenAIModel):
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Choices | None = None
     guided_grammar: str | None = None
     regex: str | None = None
     ebnf: str | None = None
     json_schema: str | None = None  # SGLang's: the schema as JSON text
 
+    constraint_fields: ClassVar[tuple[str, ...]] = CONSTRAINT_FIELDS
+
+    @classmethod
+    def publish(cls, schema: dict) -> None:
+        super().publish(schema)
+        _one_at_most(schema, cls.constraint_fields)
+
     def structured(self) -> StructuredOutputs | None:
         """The request's output constraint, from whichever field gives it (`UserError`,
         naming the field, for an invalid one or for more than one)."""
         given: list[tuple[str, dict]] = []
-        if self.response_format is not None and self.response_format.type != "text":
-            fmt = self.response_format
-            if fmt.type == "json_object":
-                given.append(("response_format", {"json_object": True}))
-            elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
-                raise UserError("response_format: json_schema.schema is required for type "
-                                "json_schema", "response_format")
-            else:
-                given.append(("response_format", {"json": fmt.json_schema.schema_}))
+        fmt = self.response_format
+        if isinstance(fmt, JsonObjectFormat):
+            given.append(("response_format", {"json_object": True}))
+        elif isinstance(fmt, JsonSchemaResponseFormat):
+            given.append(("response_format", {"json": fmt.json_schema.schema_}))
         if self.structured_outputs is not None:
             given.append(("structured_outputs",
                           self.structured_outputs.model_dump(exclude_none=True, by_alias=True)))
@@ -200,11 +282,25 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
 
 
+class TextPart(OpenAIModel):
+    """A content part of a message: text only (braid serves text models: an image would
+    change the answer)."""
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(OpenAIModel):
     model_config = ConfigDict(extra="allow")  # tool calls, names: passed to the template
 
-    role: str
-    content: str | list[dict] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str | None:
+        """The content as the chat template takes it: text parts joined."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
 
 
 class FunctionDefinition(OpenAIModel):
@@ -249,6 +345,28 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
+    # tool_choice "required" or a named function constrains the output too (the schema is
+    # stricter: any tool_choice excludes the other constraints)
+    constraint_fields: ClassVar[tuple[str, ...]] = CONSTRAINT_FIELDS + ("tool_choice",)
+    auto_tool_calls: ClassVar[bool] = True  # whether the server reads "auto" tool calls
+
+    @classmethod
+    def publish(cls, schema: dict) -> None:
+        super().publish(schema)
+        properties = schema["properties"]
+        # Calls of no tool cannot be made; without a parser, tools need a tool_choice other
+        # than "auto" (its default)
+        _drop_null(properties["tools"])
+        properties["tools"]["anyOf"][0]["minItems"] = 1
+        schema["dependentRequired"] = {"tool_choice": ["tools"]}
+        if not cls.auto_tool_calls:
+            schema["dependentRequired"]["tools"] = ["tool_choice"]
+            properties["tool_choice"]["anyOf"] = [
+                {"enum": ["none", "required"]} if "enum" in option else option
+                for option in properties["tool_choice"]["anyOf"]]
+        schema["dependentSchemas"]["top_logprobs"] = {  # top_logprobs: with logprobs
+            "required": ["logprobs"], "properties": {"logprobs": {"const": True}}}
+
     @property
     def tool_mode(self) -> str:
         """"none", "auto", "required" or "named" (`tool_choice` with its default: "auto"
@@ -285,16 +403,23 @@ class ChatCompletionRequest(SamplingFields):
         return [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
 
 
-class TokenizeRequest(OpenAIModel):
-    """`POST /tokenize`: a prompt, or chat messages through the template."""
+class TokenizeRequest(RequestBody):
+    """`POST /tokenize`: a prompt, or chat messages through the template (exactly one)."""
 
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str = Field(None, min_length=1)  # None: not given (null is refused)
+    messages: list[ChatMessage] = Field(None, min_length=1)
     add_special_tokens: bool = True
 
+    @classmethod
+    def publish(cls, schema: dict) -> None:
+        super().publish(schema)
+        schema["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
+        for name in ("prompt", "messages"):
+            del schema["properties"][name]["default"]
 
-class DetokenizeRequest(OpenAIModel):
+
+class DetokenizeRequest(RequestBody):
     """`POST /detokenize`."""
 
     model: str | None = None
@@ -310,33 +435,60 @@ class RequestModels(NamedTuple):
     detokenize: type[DetokenizeRequest]
 
 
-def bounded_models(limits: RequestLimits, vocab_size: int, max_context: int) -> RequestModels:
-    """Request models whose fields carry `limits` and the model's vocabulary and context."""
+def bounded_models(limits: RequestLimits, vocab_size: int, max_context: int,
+                   served_model: str | None = None, auto_tool_calls: bool = True
+                   ) -> RequestModels:
+    """Request models whose fields carry `limits` and the model's vocabulary and context, and
+    whose schemas name `served_model` and say whether tool_choice "auto" is served."""
     token = Annotated[int, Field(ge=0, lt=vocab_size)]
     tokens = Annotated[list[token], Field(max_length=max_context)]
-    many = Field(max_length=limits.max_sequences_per_request)
+    prompt_ids = Annotated[list[token], Field(min_length=1, max_length=max_context)]
+    many = Field(min_length=1, max_length=limits.max_sequences_per_request)
     stop = Annotated[str, Field(min_length=1, max_length=limits.max_stop_string_chars)]
     bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+    # The keys are token ids as text; the schema says which (pydantic's would say only digits)
+    biases = Annotated[
+        dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], bias],
+        Field(max_length=limits.max_token_ids),
+        WithJsonSchema({"type": "object", "propertyNames": {"pattern": _decimal_below(vocab_size)},
+                        "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
+                                                 "maximum": MAX_LOGIT_BIAS},
+                        "maxProperties": limits.max_token_ids})]
     sampling: dict[str, Any] = dict(
         stop=(stop | Annotated[list[stop], Field(max_length=limits.max_stop_strings)] | None,
               None),
         stop_token_ids=(Annotated[list[token], Field(max_length=limits.max_token_ids)] | None,
                         None),
-        logit_bias=(Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], bias],
-                              Field(max_length=limits.max_token_ids)] | None, None),
+        logit_bias=(biases | None, None),
         n=(int, Field(1, ge=1, le=min(128, limits.max_sequences_per_request))),
         min_tokens=(int, Field(0, ge=0, le=max_context)),
     )
     max_tokens = Annotated[int, Field(ge=1, le=max_context)] | None
     completion = create_model(
         "CompletionRequest", __base__=CompletionRequest, **sampling,
-        prompt=(str | Annotated[list[str], many] | tokens | Annotated[list[tokens], many], ...),
+        prompt=(NonEmptyStr | Annotated[list[NonEmptyStr], many] | prompt_ids
+                | Annotated[list[prompt_ids], many], ...),
         max_tokens=(max_tokens, 16))
     chat = create_model("ChatCompletionRequest", __base__=ChatCompletionRequest, **sampling,
                         max_tokens=(max_tokens, None), max_completion_tokens=(max_tokens, None))
+    chat.auto_tool_calls = auto_tool_calls
+    tokenize = create_model("TokenizeRequest", __base__=TokenizeRequest)
     detokenize = create_model("DetokenizeRequest", __base__=DetokenizeRequest,
                               tokens=(tokens, ...))
-    return RequestModels(completion, chat, TokenizeRequest, detokenize)
+    for body in (completion, chat, tokenize, detokenize):
+        body.served_model = served_model
+    return RequestModels(completion, chat, tokenize, detokenize)
+
+
+def _decimal_below(n: int) -> str:
+    """A regular expression of the decimal numbers 0 to n - 1 (no leading zeros)."""
+    top = str(n - 1)
+    options = ["0"] + [f"[1-9][0-9]{{{k}}}" for k in range(len(top) - 1)]
+    for i, digit in enumerate(top):  # top's first i digits, a smaller digit, then any
+        low = "1" if i == 0 else "0"
+        if digit > low:
+            options.append(f"{top[:i]}[{low}-{int(digit) - 1}][0-9]{{{len(top) - i - 1}}}")
+    return "^(" + "|".join(options + [top]) + ")$"
 
 
 # Fields of OpenAI's API, and of vLLM's and SGLang's, that change what is generated and that
