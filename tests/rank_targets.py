@@ -217,3 +217,34 @@ def compressed_sums(rank, world_size, conn, kind):
     sums = [comm.wait_sum(pending[1]), comm.wait_sum(pending[0], residual)]
     conn.send(("ok", (sums, partials)))
     conn.recv()  # "stop": a rank that returns early reads as a dead one
+
+
+def gathers_in_flight(rank, port, seconds, in_flight):
+    """Two-batch overlap's gathers, stressed, in a process of its own (not a braid rank: those
+    are pinned to their cores, where a group's worker threads rarely run at the same moment):
+    for `seconds` (rank 0's clock: its part's first element says whether to go on), each round
+    keeps `in_flight` small gathers in flight through braid's communicator (as compressed sums
+    and DP linear do) on a gloo group with `in_flight` worker threads (the default two make the
+    race of docs/gloo-race.md rarer, not impossible). Exits 0 if every gathered tensor was
+    exact, 1 if one was not; the race kills it with a signal."""
+    import time
+
+    from torch.distributed import ProcessGroupGloo
+
+    from braid.distributed.comm import TorchCommunicator
+
+    options = ProcessGroupGloo._Options()
+    options._threads = in_flight
+    options._devices = [ProcessGroupGloo.create_default_device()]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, pg_options=options)
+    comm = TorchCommunicator(rank, 2)
+    part = torch.full((64,), rank + 1, dtype=torch.int8)
+    deadline, exact, going = time.monotonic() + seconds, True, True
+    while going:
+        part[0] = int(time.monotonic() < deadline)  # read from rank 0's part only
+        pending = [comm.all_gather_async(part) for _ in range(in_flight)]
+        for gathered in map(comm.wait_gather, pending):
+            exact &= bool((gathered[1:64] == 1).all() and (gathered[65:] == 2).all())
+            going = bool(gathered[0])
+    os._exit(0 if exact else 1)  # (tearing down a group made with pg_options can hang)

@@ -89,9 +89,15 @@ def test_ranks_get_identical_compressed_sums_over_gloo(kind):
         torch.testing.assert_close(sums0[1], sum(x.bfloat16().float() for x in fp32) + 1)
 
 
-def test_overlap_with_compressed_sums_is_refused():
+def test_overlap_runs_with_compressed_sums_and_auto_probes_the_pair():
+    """Refused while gloo's race (docs/gloo-race.md) crashed served runs with both."""
     from braid.config import EngineConfig
-    from braid.errors import UserError
+    from braid.engine.step_choice import step_settings
 
-    with pytest.raises(UserError, match="--overlap on with --comm-compression"):
-        EngineConfig.create(model="m", tp=2, comm="torch", overlap="on", comm_compression="int8")
+    config = EngineConfig.create(model="m", tp=2, comm="torch", overlap="on",
+                                 comm_compression="int8")
+    assert step_settings(config.switches, 512, 2, False, False) == [
+        (("overlap", True), ("compression", "int8"))]
+    learned = EngineConfig.create(model="m", tp=2, comm="torch").switches
+    assert (("overlap", True), ("compression", "int8")) in step_settings(
+        learned, 512, 2, False, compression_learned=True)

@@ -156,8 +156,14 @@ class TorchCommunicator(Communicator):
         return total if residual is None else total + residual
 
     def _post_gather(self, x: torch.Tensor) -> Pending:
-        return (torch.ops._c10d_functional.all_gather_into_tensor(x, self.world_size,
-                                                                  self.group_name),)
+        # The out= form, not all_gather_into_tensor: on gloo that one runs as an
+        # ALLGATHER_COALESCED work, and torch 2.13's gloo frees the heap buffer of that long
+        # name from each worker thread that finishes one, unlocked: two gathers in flight
+        # corrupt the heap (docs/gloo-race.md). This one runs as _allgather_base, whose name
+        # fits std::string's inline buffer.
+        out = x.new_empty((self.world_size * x.shape[0], *x.shape[1:]))
+        return (torch.ops._c10d_functional.all_gather_into_tensor_out(
+            x, self.world_size, self.group_name, out=out),)
 
     def _finish_gather(self, pending: Pending) -> torch.Tensor:
         return torch.ops._c10d_functional.wait_tensor(pending[0])

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
-from braid.config import OVERLAP_WITH_COMPRESSION, StepSwitches
+from braid.config import StepSwitches
 
 PROBES = 2
 CLEARLY_SLOWER = 1.3
@@ -59,8 +59,7 @@ def step_settings(switches: StepSwitches, num_tokens: int, tp: int, has_dp_linea
                   compression_learned: bool) -> list[Setting]:
     """Every setting of the per-step switches that a step of `num_tokens` may run with: DP
     linear only for a model that has it, compression learned only where `compression_learned`
-    (the ranks span hosts), and never overlap with compressed sums where the config forbids
-    the pair (`OVERLAP_WITH_COMPRESSION`)."""
+    (the ranks span hosts)."""
     several = tp > 1
     overlap = switch_options(switches.overlap, num_tokens, switches.overlap_min_tokens,
                              several and num_tokens > 1)
@@ -69,11 +68,8 @@ def step_settings(switches: StepSwitches, num_tokens: int, tp: int, has_dp_linea
                                several) if has_dp_linear else None
     compression = ((("none", "int8") if compression_learned else ("none",))
                    if switches.comm_compression == "auto" else (switches.comm_compression,))
-    settings = [(("overlap", o), *((("dp_linear", d),) if dp_linear else ()), ("compression", c))
-                for o in overlap for d in dp_linear or (False,) for c in compression]
-    allowed = [s for s in settings if OVERLAP_WITH_COMPRESSION
-               or not (dict(s)["overlap"] and dict(s)["compression"] != "none")]
-    return allowed or [tuple((k, False if k == "overlap" else v) for k, v in settings[0])]
+    return [(("overlap", o), *((("dp_linear", d),) if dp_linear else ()), ("compression", c))
+            for o in overlap for d in dp_linear or (False,) for c in compression]
 
 
 def describe(setting: Setting) -> str:

@@ -66,7 +66,8 @@ class _Heartbeat:
     other ranks' counters, in a daemon thread over a store connection of its own; `on_loss`
     gets the reason once another rank's counter has not moved for `timeout_s`, or the store
     (on host 0) cannot be reached. Not a collective: gloo collectives from a second thread
-    crashed the first thread's (heap corruption within minutes, with or without compression).
+    corrupted the heap (within minutes: most likely docs/gloo-race.md's race), and the store
+    needs none.
     """
 
     def __init__(self, timeout_s: float, on_loss: Callable[[str], None]) -> None:
