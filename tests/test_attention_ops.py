@@ -419,6 +419,22 @@ def test_decode_kernel_refuses_lengths_its_block_table_does_not_hold():
                                                  0.25)
 
 
+def test_decode_kernel_refuses_block_ids_outside_the_cache():
+    from braid.layers import decode_kernel
+
+    assert decode_kernel.load()
+    attn = paged_attention(4, 2, 16, tokens_innermost=True, num_blocks=4, block_size=16)
+    q = torch.randn(1, 4, 16)
+    for table in ([[1, 4]], [[-1, 2]]):  # its second block, its first
+        with pytest.raises(RuntimeError, match=r"reads block -?\d+ \(entry \d of its table\), "
+                                               "outside the cache's 4 blocks"):
+            decode_kernel.paged_decode_attention(q, attn.k_cache, attn.v_cache,
+                                                 torch.tensor(table), torch.tensor([20]), 0.25)
+    # entries past its length are not read, whatever they hold
+    decode_kernel.paged_decode_attention(q, attn.k_cache, attn.v_cache, torch.tensor([[1, 99]]),
+                                         torch.tensor([16]), 0.25)
+
+
 def test_operators_that_cannot_be_built_warn(monkeypatch):
     """No compiler or no ninja: a warning, and the callers take their fallbacks (the traced
     decode kernel, ATen's norm, oneDNN's GEMMs on row-major weights, --comm torch)."""

@@ -574,10 +574,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
   const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* ids = tables.data_ptr<int64_t>();
+  const int64_t num_blocks = k_cache.size(0);
   for (int64_t b = 0; b < q.size(0); ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= tables.size(1) * geo.bs,
                 "paged_decode_attention: sequence ", b, " has ", lp[b],
                 " keys, outside 1 to its block table's ", tables.size(1) * geo.bs);
+    // The blocks its keys are read from: a bad id would read outside the cache
+    for (int64_t i = 0; i < (lp[b] + geo.bs - 1) / geo.bs; ++i) {
+      const int64_t id = ids[b * tables.size(1) + i];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_decode_attention: sequence ", b,
+                  " reads block ", id, " (entry ", i, " of its table), outside the cache's ",
+                  num_blocks, " blocks");
+    }
   }
   at::Tensor out = at::empty(qv.sizes(), qv.options());
   if (q.scalar_type() == at::kBFloat16) {
