@@ -28,6 +28,7 @@ class ServerProcess:
 
     def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
         self.proc = proc
+        self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self.log = log
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import time
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ import httpx
 import pytest
 from conftest import API_KEY
 from fastapi.testclient import TestClient
+from server_utils import braid_server
 
 from braid.config import default_model_path
 from braid.engine.request import SamplingParams
@@ -283,3 +285,19 @@ def test_a_completion_whose_text_fails_fails_alone():
     assert good.finish_reason == "length" and good.text == "bc"
     assert aborted == [1]
 
+
+
+def test_connections_beyond_the_limit_get_503_at_once(tiny_llama, tmp_path):
+    """--limit-concurrency bounds open connections (each may buffer a body of up to
+    --max-request-bytes); one beyond is answered 503, not queued, and the server goes on."""
+    with braid_server("--model", tiny_llama, "--limit-concurrency", "2",
+                      log_dir=tmp_path) as server:
+        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(2)]
+        try:
+            time.sleep(0.5)  # the server has accepted them
+            assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 503
+        finally:
+            for connection in idle:
+                connection.close()
+        time.sleep(0.5)
+        assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200

@@ -88,6 +88,7 @@ def run_server(config: EngineConfig, settings: ServeSettings) -> int:
         metrics.queued.set_function(lambda: engine.queued_sequences)
         server = _Server(uvicorn.Config(build_app(ctx), host=settings.host, port=settings.port,
                                         log_level=settings.log_level,
+                                        limit_concurrency=settings.limit_concurrency,
                                         timeout_graceful_shutdown=settings.shutdown_timeout + 2),
                          engine, settings.shutdown_timeout)
         exit_code = 0

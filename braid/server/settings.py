@@ -38,6 +38,9 @@ class ServeSettings:
         "chat template's markers)", choices=("auto", "none", *TOOL_CALL_PARSERS))
     log_level: str = setting("info", "uvicorn's log level",
                              choices=("critical", "error", "warning", "info", "debug"))
+    limit_concurrency: int = setting(
+        1024, "most open connections; beyond, 503 at once (each may buffer a body of up to "
+        "--max-request-bytes, so this bounds their memory)", metavar="N", at_least=1)
     shutdown_timeout: float = setting(
         5.0, "on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are "
         "aborted", metavar="S", at_least=0)
