@@ -275,6 +275,9 @@ def test_streamed_regex_completion(server):
     ({"regex": "a+", "guided_choice": ["a"]}, "regex"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
+    # valid grammars that fail against this model's vocabulary (in the engine, not the API)
+    ({"guided_grammar": "start: <|nosuchtoken|>"}, "guided_grammar"),
+    ({"structured_outputs": {"grammar": "start: <[999999]>"}}, "structured_outputs"),
 ])
 def test_an_invalid_constraint_is_a_400_naming_its_field(server, body, field):
     response = completion(server, {**body, "max_tokens": 5})

@@ -88,10 +88,14 @@ def serve(core: EngineCore, conn: Connection) -> None:
                 try:
                     core.add(request)
                 except Exception as e:  # noqa: BLE001 - a request's own fault fails it alone
-                    error = (str(e) if isinstance(e, UserError)
-                             else request_failure("adding the request", e))
+                    # A UserError is the request's (a grammar that does not compile for this
+                    # vocabulary, say): a 400 naming its field
+                    invalid = isinstance(e, UserError)
+                    error = str(e) if invalid else request_failure("adding the request", e)
                     refused += [SequenceDelta(request.request_id, i, finish_reason="error",
-                                              error=error) for i in range(request.params.n)]
+                                              error=error, invalid=invalid,
+                                              param=getattr(e, "param", None))
+                                for i in range(request.params.n)]
             elif command[0] == "abort":
                 core.abort(*command[1:])
         stepped = core.has_work
