@@ -37,6 +37,25 @@ def test_int8_sum_error_is_bounded_and_halves_the_bytes(dtype, shape):
         assert compression.pack(partials[0], "int8").numel() <= 0.54 * bf16_bytes
 
 
+@pytest.mark.parametrize("path", ["cpp", "aten"])
+def test_a_block_with_nan_or_inf_sums_to_nan(monkeypatch, path):
+    """Its int8 values would be undefined (a float's conversion out of range): they are 0 and
+    its scale NaN, on both packings; the other blocks are untouched."""
+    from braid import native
+
+    if path == "aten":
+        monkeypatch.setattr(compression, "_uses_native", lambda x: False)
+    elif not native.load():
+        pytest.skip("braid's C++ operators are not built on this host")
+    x = torch.ones(4, compression.BLOCK)
+    x[1, 5], x[2, 0] = float("nan"), float("inf")
+    packed = compression.pack(x, "int8")
+    assert (packed[:x.numel()].view(4, -1)[1:3] == 0).all()
+    total = compression.unpack_sum(torch.cat([packed, packed]), "int8", 2, x)
+    assert total[1:3].isnan().all()
+    torch.testing.assert_close(total[[0, 3]], 2 * x[[0, 3]])
+
+
 def test_residual_is_added_after_the_sum():
     partials = partial_sums(3, torch.float32)
     residual = torch.randn(partials[0].shape)

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "vec_io.h"
 
@@ -38,9 +39,14 @@ void quantize_range(const T* x, int8_t* values, float* scales, int64_t b0, int64
     }
     const float largest = at::vec::vec_reduce_all<float>(
         [](Vec& a, Vec& c) { return at::vec::maximum(a, c); }, amax);
+    int8_t* out = values + b * BLOCK;
+    if (!std::isfinite(largest)) {  // NaN or inf: converting its values to int8 is undefined;
+      std::memset(out, 0, BLOCK);   // a NaN scale makes the block's sum NaN on every rank
+      scales[b] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
     const float scale = largest / 127.f;
     const float inverse = largest > 0.f ? 127.f / largest : 0.f;
-    int8_t* out = values + b * BLOCK;
     for (int64_t i = 0; i < BLOCK; ++i) out[i] = int8_t(std::nearbyint(block[i] * inverse));
     scales[b] = scale;
   }

@@ -48,8 +48,12 @@ def pack(x: torch.Tensor, kind: str) -> torch.Tensor:
     f = blocks.float().view(-1, BLOCK)
     largest = f.abs().amax(1)
     inverse = torch.where(largest > 0, torch.full_like(largest, 127.0) / largest, 0.0)
-    values = torch.round(f * inverse[:, None]).to(torch.int8).view(-1)
-    return torch.cat([values, (largest / 127).view(torch.int8)])
+    # A block with NaN or inf: values 0 (their int8 conversion would be undefined), scale NaN,
+    # so its sum is NaN on every rank (as the C++ packing does)
+    finite = largest.isfinite()
+    values = torch.where(finite[:, None], torch.round(f * inverse[:, None]), 0)
+    scales = torch.where(finite, largest / 127, torch.nan)
+    return torch.cat([values.to(torch.int8).view(-1), scales.view(torch.int8)])
 
 
 def unpack_sum(gathered: torch.Tensor, kind: str, ranks: int, like: torch.Tensor,
