@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import rank_targets
+import torch
 from driver_utils import driver_process, kill_and_wait_for_ranks
 
 from braid.config import EngineConfig, resolve_comm
@@ -247,3 +248,21 @@ def test_no_segment_remains_after_a_rank_is_killed():
     with pytest.raises(RankFailure, match="rank 1 died"):
         group.request(("go", None))
     assert segments() <= before
+
+
+@pytest.mark.parametrize("sequence", [torch.empty(0, dtype=torch.long),
+                                      torch.zeros(2, dtype=torch.long),
+                                      torch.zeros(1, dtype=torch.int32)])
+def test_the_operators_refuse_a_sequence_record_cannot_write(sequence):
+    """Each operator writes its ring's latest operation into `sequence`'s one element: any
+    other tensor is refused before anything is posted (an empty one was written past)."""
+    from braid import native
+
+    if not native.load():
+        pytest.skip("braid's C++ operators are not built on this host")
+    x = torch.zeros(4)
+    for call in (lambda: torch.ops.braid.shm_post(x, sequence, 0),
+                 lambda: torch.ops.braid.shm_all_reduce(x, x, None, sequence, 0),
+                 lambda: torch.ops.braid.shm_all_gather(x, x, [4], True, sequence, 0)):
+        with pytest.raises(RuntimeError, match="sequence must be a one-element int64"):
+            call()

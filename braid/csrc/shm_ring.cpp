@@ -204,11 +204,20 @@ void sum_generic(const std::vector<const char*>& chunks, const at::Tensor& resid
   out.view(-1).narrow(0, start, n).copy_(acc);
 }
 
+// Checked before an operator does anything: `record` writes its one element.
+void check_sequence(const at::Tensor& sequence) {
+  TORCH_CHECK(sequence.device().is_cpu() && sequence.scalar_type() == at::kLong &&
+                  sequence.numel() == 1,
+              "sequence must be a one-element int64 CPU tensor, got ", sequence.scalar_type(),
+              " with ", sequence.numel(), " elements");
+}
+
 void record(const Ring& ring, at::Tensor& sequence) {
   sequence.data_ptr<int64_t>()[0] = ring.next_op - 1;
 }
 
 at::Tensor shm_post(const at::Tensor& x, at::Tensor& sequence, int64_t ring_id) {
+  check_sequence(sequence);
   Ring& ring = ring_of(ring_id);
   check_input(x, "x");
   const int64_t first = std::min(x.numel(), chunk_elems(ring, x));
@@ -221,6 +230,7 @@ at::Tensor shm_post(const at::Tensor& x, at::Tensor& sequence, int64_t ring_id) 
 at::Tensor shm_all_reduce(const at::Tensor& ticket, const at::Tensor& x,
                           const std::optional<at::Tensor>& residual, at::Tensor& sequence,
                           int64_t ring_id) {
+  check_sequence(sequence);
   Ring& ring = ring_of(ring_id);
   check_input(x, "x");
   at::Tensor res;
@@ -259,6 +269,7 @@ at::Tensor shm_all_reduce(const at::Tensor& ticket, const at::Tensor& x,
 at::Tensor shm_all_gather(const at::Tensor& ticket, const at::Tensor& x,
                           c10::SymIntArrayRef row_symbols, bool collect, at::Tensor& sequence,
                           int64_t ring_id) {
+  check_sequence(sequence);
   const std::vector<int64_t> rows = C10_AS_INTARRAYREF_SLOW(row_symbols).vec();
   Ring& ring = ring_of(ring_id);
   check_input(x, "x");
