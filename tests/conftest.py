@@ -194,7 +194,7 @@ def server(tmp_path_factory):
     that speculative decoding changes nothing a client sees.
     Overlap from 1024 tokens (shm's default is above any CPU step), so long prompts run the
     overlapped path through the server. At the end of the session it must stop on SIGTERM
-    with exit code 0, its engine and ranks gone and no shared memory left."""
+    within 5 s with exit code 0, its engine and ranks gone and no shared memory left."""
     from server_utils import braid_server, shm_segments_of
 
     with braid_server("--tp", "2", "--api-key", API_KEY, "--overlap-min-tokens", "1024",
@@ -204,7 +204,9 @@ def server(tmp_path_factory):
         yield server
         engine, ranks = server.engine_and_ranks()
         assert len(ranks) == 2
+        start = time.monotonic()
         assert server.stop(signal.SIGTERM) == 0, server.output()
+        assert time.monotonic() - start < 5, "an idle server took over 5 s to stop"
         assert not shm_segments_of(engine.pid)
         time.sleep(0.5)
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE

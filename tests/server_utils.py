@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -44,6 +45,16 @@ class ServerProcess:
         (engine,) = spawned(psutil.Process(self.proc.pid))
         return engine, spawned(engine)
 
+    def session(self) -> list[psutil.Process]:
+        """The processes of the server's session that still run (zombies excluded): the
+        server, its engine, ranks and their compilers."""
+        found = []
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getsid(proc.pid) == self.proc.pid and proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+        return found
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         """Signal the server and wait for it; kill it if it does not stop in time."""
         if self.proc.poll() is None:
@@ -53,6 +64,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        for proc in self.session():  # what a server killed here left behind
+            proc.kill()
         return self.proc.returncode
 
 
@@ -61,12 +74,13 @@ def shm_segments_of(pid: int) -> list[str]:
     return [p for p in os.listdir("/dev/shm") if p.startswith(f"braid-{pid}-")]
 
 
-@contextmanager
-def braid_server(*args: str, log_dir: Path):
-    """`braid serve ARGS` on a free port of 127.0.0.1, ready to answer; stopped afterwards
-    whatever happens. Without `--compile` in ARGS it serves eager: a server compiles the
-    embedded model's steps at start by default (minutes, cold), which the tests of the API do
-    not need (test_server's compiled-start test serves a small model with the default)."""
+def start_server(*args: str, log_dir: Path, env: dict[str, str] | None = None) -> ServerProcess:
+    """Start `braid serve ARGS` on a free port of 127.0.0.1 without waiting for it, in a
+    session of its own: every process it starts, compilers included, is then found by
+    `ServerProcess.left_behind`. Without `--compile` in ARGS it serves eager: a server
+    compiles the embedded model's steps at start by default (minutes, cold), which the tests
+    of the API do not need (test_server's compiled-start test serves a small model with the
+    default)."""
     if "--compile" not in args:
         args = (*args, "--compile", "off")
     port = free_port()
@@ -74,13 +88,21 @@ def braid_server(*args: str, log_dir: Path):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "braid.cli", "serve", "--host", "127.0.0.1", "--port",
-             str(port), "--log-level", "warning", *args], stdout=out, stderr=subprocess.STDOUT)
-    server = ServerProcess(proc, port, log)
+             str(port), "--log-level", "warning", *args], stdout=out, stderr=subprocess.STDOUT,
+            env=None if env is None else {**os.environ, **env}, start_new_session=True)
+    return ServerProcess(proc, port, log)
+
+
+@contextmanager
+def braid_server(*args: str, log_dir: Path, env: dict[str, str] | None = None):
+    """`braid serve ARGS` (see `start_server`), ready to answer; stopped afterwards whatever
+    happens."""
+    server = start_server(*args, log_dir=log_dir, env=env)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"braid serve exited with {proc.returncode}:\n"
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"braid serve exited with {server.proc.returncode}:\n"
                                    f"{server.output()}")
             try:
                 if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:

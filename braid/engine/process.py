@@ -9,6 +9,7 @@ removes their shared memory, and exits non-zero.
 
 from __future__ import annotations
 
+import gc
 import signal
 import sys
 import traceback
@@ -21,6 +22,7 @@ from braid.engine.core import EngineCore, EngineError
 from braid.engine.executor import RankExecutor
 from braid.errors import UserError, request_failure
 from braid.loader.model_config import load_model_config
+from braid.spawn import lead_process_group
 from braid.step import SequenceDelta
 
 IDLE_POLL_S = 0.05  # how often an idle engine checks its ranks
@@ -28,7 +30,9 @@ IDLE_POLL_S = 0.05  # how often an idle engine checks its ranks
 
 def engine_process_main(config: EngineConfig, conn: Connection) -> None:
     """Entry point: build the engine (answer "ready" with the model's config, or "fatal"),
-    then serve until "stop"."""
+    then serve until "stop". SIGTERM (the API process stopping it before it is ready, or
+    after it failed to stop in time) ends it at once, with its ranks and their compilers."""
+    lead_process_group()
     exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -36,6 +40,8 @@ def engine_process_main(config: EngineConfig, conn: Connection) -> None:
         model_config = load_model_config(config.model, config.cache)
         executor = RankExecutor(config, model_config)
         executor.wait_ready()
+    except SystemExit:
+        raise  # stopped: the ranks' group closes at exit
     except UserError as e:
         conn.send(("fatal", f"error: {e}"))
         sys.exit(2)
@@ -45,23 +51,20 @@ def engine_process_main(config: EngineConfig, conn: Connection) -> None:
     core = EngineCore(config, model_config, executor)
     try:
         core.compile_steps()  # a server compiles at start (--compile auto or on)
+        core.grammars.prepare_in_background()
+        conn.send(("ready", model_config))  # the API process reads no checkpoint of its own
+        try:
+            serve(core, conn)
+        except (EOFError, OSError):
+            pass  # the API process is gone
+    except SystemExit:
+        raise
     except BaseException as e:  # noqa: BLE001 - reported, then this process ends
         conn.send(("fatal", _describe(e)))
+        sys.exit(1)
+    finally:
         core.close()
-        sys.exit(1)
-    core.grammars.prepare_in_background()
-    conn.send(("ready", model_config))  # the API process reads no checkpoint of its own
-    try:
-        serve(core, conn)
-    except (EOFError, OSError):
-        pass  # the API process is gone
-    except BaseException as e:  # noqa: BLE001
-        try:
-            conn.send(("fatal", _describe(e)))
-        finally:
-            core.close()
-        sys.exit(1)
-    core.close()
+        gc.freeze()  # the process ends: Python's last collections over the model took a second
 
 
 def _describe(e: BaseException) -> str:

@@ -21,12 +21,14 @@ from braid.engine.request import Request
 from braid.engine.stats import EngineStats
 from braid.errors import UserError
 from braid.loader.model_config import ModelConfig
+from braid.spawn import end_process_group
 from braid.step import SequenceDelta
 
 # The engine process's entry point, by name: this process never imports the engine's code
 ENGINE_PROCESS_MAIN = "braid.engine.process:engine_process_main"
 READY_TIMEOUT_S = 1800.0  # a cold start compiles its steps (minutes; tp 3 on 2 cores longer)
-STOP_TIMEOUT_S = 10.0
+# Each of the engine's stops (asked, SIGTERM) gets this long before the next, harder one
+STOP_TIMEOUT_S = 2.0
 
 
 class EngineDead(RuntimeError):
@@ -59,6 +61,7 @@ class AsyncEngine:
         self._sequences_sent = 0
         self._stats: EngineStats | None = None  # the latest the engine sent
         self._closing = False
+        self._ready = False  # the engine answered "ready": it reads its commands
         self.on_stats: Callable[[EngineStats], None] = lambda stats: None
         self.on_dead: Callable[[str], None] = lambda reason: None
 
@@ -73,7 +76,8 @@ class AsyncEngine:
             kind, detail = self._conn.recv()
         except EOFError:
             kind, detail = "fatal", f"engine process exited (code {self.process.exitcode})"
-        if kind != "ready":
+        self._ready = kind == "ready"
+        if not self._ready:
             self.close()
             if detail.startswith("error: "):
                 raise UserError(detail.removeprefix("error: "))
@@ -120,18 +124,25 @@ class AsyncEngine:
             deltas.put_nowait(Aborted(request_id))
 
     def close(self) -> None:
-        """Stop the engine process (it stops its ranks and removes shared memory)."""
+        """Stop the engine process (it stops its ranks and removes shared memory), then
+        whatever it left running. A ready engine reads "stop" between steps; one still
+        starting (loading, compiling) would read it only when ready, so it gets SIGTERM."""
         self._closing = True
-        self._outbox.put(("stop",))
-        if self._loop is None:  # relay threads never started: send directly
-            try:
-                self._conn.send([("stop",)])
-            except OSError:
-                pass
-        self.process.join(STOP_TIMEOUT_S)
+        if self._ready:
+            self._outbox.put(("stop",))
+            if self._loop is None:  # relay threads never started: send directly
+                try:
+                    self._conn.send([("stop",)])
+                except OSError:
+                    pass
+            self.process.join(STOP_TIMEOUT_S)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        end_process_group(self.process.pid)
 
     def _send_forever(self) -> None:
         while True:

@@ -27,8 +27,10 @@ from typing import NoReturn
 from braid import spawn
 from braid.distributed.ranks import PEER_FAILURE_MARKERS, RankFailure, Target
 from braid.platform import usable_cores
+from braid.spawn import end_process_group, lead_process_group
 
 POLL_S = 0.05
+STOP_WAIT_S = 1.0  # how long a closing group waits for its ranks before each harder signal
 # Settings read at start-up by a rank process's libraries, where the user has not set them:
 # - glibc malloc keeps freed memory instead of returning large blocks to the OS, so each step's
 #   activations reuse warm pages rather than page-faulting fresh ones (a prefill's MLP spent
@@ -72,7 +74,7 @@ def exit_with_parent(poll_s: float = 0.2, parent: int | None = None,
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
-        _exit_after(on_exit, 1)
+        exit_after(on_exit, 1)
 
     threading.Thread(target=watch, name="braid-parent-watch", daemon=True).start()
 
@@ -80,9 +82,13 @@ def exit_with_parent(poll_s: float = 0.2, parent: int | None = None,
 def _rank_entry(target: Target, rank: int, world_size: int, store_port: int,
                 cores: list[int], conn: Connection, args: tuple, driver: int,
                 cleanup: Callable[[], str | None] | None) -> None:
+    lead_process_group()
     exit_with_parent(parent=driver, on_exit=cleanup)
-    # Ctrl-C reaches the whole process group: the driver decides when ranks stop.
+    # The driver decides when ranks stop: Ctrl-C is its to handle, and its SIGTERM (a rank
+    # busy compiling or stepping would read "stop" only when done) ends the rank at once,
+    # with its cleanup and its compilers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: exit_after(cleanup, 128 + signal.SIGTERM))
     try:
         import torch
         import torch.distributed as dist
@@ -104,19 +110,24 @@ def _rank_entry(target: Target, rank: int, world_size: int, store_port: int,
         try:
             conn.send(("error", traceback.format_exc()))
         finally:
-            _exit_after(cleanup, 1)
-    _exit_after(cleanup, 0)
+            exit_after(cleanup, 1)
+    exit_after(cleanup, 0)
 
 
-def _exit_after(cleanup: Callable[[], object] | None, code: int) -> NoReturn:
-    """`os._exit(code)` once `cleanup` (if any) has run. A rank runs its launch's cleanup on
-    every way out, as the driver does when it closes the group: the driver may be dead (its
-    pipe's end is then what stops the rank, often before the parent watcher notices)."""
+def exit_after(cleanup: Callable[[], object] | None, code: int) -> NoReturn:
+    """`os._exit(code)` once `cleanup` (if any) has run and the processes this one started
+    in its own process group (compilers) are killed. A rank runs its launch's cleanup on every
+    way out, as the driver does when it closes the group: the driver may be dead (its pipe's
+    end is then what stops the rank, often before the parent watcher notices)."""
     try:
         if cleanup is not None:
             cleanup()
     finally:
-        os._exit(code)
+        try:
+            if os.getpgrp() == os.getpid():
+                end_process_group(os.getpid())
+        finally:
+            os._exit(code)
 
 
 @contextmanager
@@ -162,6 +173,7 @@ class LocalRankGroup:
         self._failure_times: dict[int, float] = {}
         self._stop_time: float | None = None  # when close() began stopping ranks
         self._answered: set[int] = set()  # ranks that have sent anything (they started)
+        self._answer_pending = False  # a wait for an answer was interrupted: ranks are busy
         atexit.register(self.close)
         for rank in range(world_size):
             parent, child = ctx.Pipe()
@@ -209,6 +221,7 @@ class LocalRankGroup:
         """Wait for `rank`'s answer while watching every rank; raise `RankFailure` on a death."""
         deadline = None if timeout is None else time.monotonic() + timeout
         conn = self.conns[rank]
+        self._answer_pending = True  # until it answers: still so if this wait is interrupted
         while not conn.poll(POLL_S):
             if any(p.exitcode is not None for p in self.procs):
                 self._fail()
@@ -223,6 +236,7 @@ class LocalRankGroup:
             self._failure_times.setdefault(rank, time.monotonic())
             self._fail({rank: value})
         self._answered.add(rank)
+        self._answer_pending = False
         return value
 
     def check_alive(self) -> None:
@@ -300,17 +314,22 @@ class LocalRankGroup:
                 conn.send(("stop", None))
             except OSError:
                 pass
-        deadline = time.monotonic() + 2.0
+        # An idle rank reads "stop" at once; one in the middle of a step or a compile (the
+        # driver was interrupted waiting for it) would read it only when done, so it gets
+        # SIGTERM (its handler cleans up and exits) and, if it is stuck where Python's
+        # handlers cannot run, SIGKILL.
+        deadline = time.monotonic() + (0.0 if self._answer_pending else STOP_WAIT_S)
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()
         for proc in self.procs:
-            proc.join(1.0)
+            proc.join(STOP_WAIT_S)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+            end_process_group(proc.pid)  # what a killed rank left running
         for conn in self.conns:
             conn.close()
         if self._cleanup is not None:
