@@ -42,7 +42,7 @@ class ServeSettings:
         1024, "most open connections; beyond, 503 at once (each may buffer a body of up to "
         "--max-request-bytes, so this bounds their memory)", metavar="N", at_least=1)
     shutdown_timeout: float = setting(
-        5.0, "on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are "
+        2.0, "on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are "
         "aborted", metavar="S", at_least=0)
 
     def __post_init__(self) -> None:
