@@ -88,6 +88,16 @@ def test_bf16_compression_rounds_fp32_sums():
     torch.testing.assert_close(total, rounded)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_a_packing_never_shares_the_partial_sums_memory(kind, dtype):
+    """gloo reads the packing from its own thread until the wait, while the step goes on
+    with the partial sum: a bf16 partial sum packed to bf16 is copied too."""
+    x = partial_sums(1, dtype)[0]
+    packed = compression.pack(x, kind)
+    assert packed.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("kind", ["int8", "bf16"])
 def test_ranks_get_identical_compressed_sums_over_gloo(kind):
     group = LocalRankGroup(2, rank_targets.compressed_sums, (kind,))

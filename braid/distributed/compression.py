@@ -41,7 +41,9 @@ def _uses_native(x: torch.Tensor) -> bool:
 def pack(x: torch.Tensor, kind: str) -> torch.Tensor:
     """`x` (contiguous) as this rank sends it: a 1-D tensor, the same size on every rank."""
     if kind == "bf16":
-        return x.reshape(-1).to(torch.bfloat16)
+        # A copy even where `x` is bf16 already: gloo reads the packing from its own thread
+        # until the wait, while the step goes on and owns `x`
+        return x.reshape(-1).to(torch.bfloat16, copy=True)
     blocks = _flat_blocks(x)
     if _uses_native(blocks):
         return torch.ops.braid.quantize_blocks(blocks)
