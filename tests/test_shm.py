@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -266,3 +267,27 @@ def test_the_operators_refuse_a_sequence_record_cannot_write(sequence):
                  lambda: torch.ops.braid.shm_all_gather(x, x, [4], True, sequence, 0)):
         with pytest.raises(RuntimeError, match="sequence must be a one-element int64"):
             call()
+
+
+def test_a_ring_refuses_a_thread_other_than_the_one_that_opened_it():
+    """A ring's bookkeeping (operation numbers, held slots) is unlocked: only the thread that
+    opened it may post or wait on it; any other gets an error, before anything is posted."""
+    from braid import native
+
+    if not native.load():
+        pytest.skip("braid's C++ operators are not built on this host")
+    slots, slot_bytes = 4, 1024
+    memory = torch.zeros((slots + 1) * 64 + slots * slot_bytes, dtype=torch.uint8)
+    ring = torch.ops.braid.shm_open(memory.data_ptr(), 1, 0, slots, slot_bytes, 5.0)
+    x, sequence = torch.ones(4), torch.zeros(1, dtype=torch.long)
+    try:
+        with ThreadPoolExecutor(1) as other:
+            posted = other.submit(torch.ops.braid.shm_post, x, sequence, ring)
+            with pytest.raises(RuntimeError, match="thread other than the one that opened it"):
+                posted.result()
+        ticket = torch.ops.braid.shm_post(x, sequence, ring)  # the opening thread's: it works
+        total = torch.ops.braid.shm_all_reduce(ticket, x, None, sequence, ring)
+        torch.testing.assert_close(total, x)
+        assert sequence.item() == 1  # the refused post took no operation number
+    finally:
+        torch.ops.braid.shm_close(ring)

@@ -41,11 +41,17 @@ constexpr int PUBLISHED = 0, CONSUMED = 1;
 constexpr int64_t SPINS_BEFORE_YIELD = 10000;  // about a millisecond of pauses
 constexpr int64_t YIELDS_BEFORE_SLEEP = 2000;
 
+// A rank's view of one segment. Its bookkeeping (`next_op`, `slot_of`, `held`, `last_op`,
+// `last_slot`) and the `rings` table are plain, unlocked state: one thread per process issues
+// a rank's collectives (its model thread, which opened the ring; eager and compiled steps alike),
+// and operation numbers must follow program order on every rank. `ring_of` refuses any other
+// thread rather than let two interleave.
 struct Ring {
   int64_t* header;
   char* data;
   int64_t world, rank, slots, slot_bytes;
   double timeout_s;
+  std::thread::id owner = std::this_thread::get_id();  // the thread that opened it
   int64_t next_op = 1;
   std::unordered_map<int64_t, int64_t> slot_of;  // posted, unreleased operation -> its slot
   std::vector<char> held;                        // slots of such operations
@@ -62,6 +68,9 @@ std::vector<std::unique_ptr<Ring>> rings;
 
 Ring& ring_of(int64_t id) {
   TORCH_CHECK(id >= 0 && id < int64_t(rings.size()) && rings[id], "no open shm ring ", id);
+  TORCH_CHECK(rings[id]->owner == std::this_thread::get_id(), "shm ring ", id,
+              " used from a thread other than the one that opened it (its state is the "
+              "opening thread's alone)");
   return *rings[id];
 }
 
