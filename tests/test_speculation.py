@@ -259,6 +259,38 @@ def test_a_draft_model_decodes_as_without_speculation(runner, tokenizer, prompt_
         assert core.speculator.proposer.blocks.num_used == 0
 
 
+def test_the_drafts_catch_up_keeps_to_the_step_budget(tiny_llama):
+    """Prompts longer than --max-num-batched-tokens reach the draft over several forwards, none
+    larger, and it proposes what one unbounded forward proposes."""
+    from braid.engine.draft import DraftProposer
+    from braid.loader.model_config import load_model_config
+
+    target = load_model_config(tiny_llama, False)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000) for _ in range(n)] for n in (40, 23, 5)]
+    budget = 16
+
+    def proposals(max_num_batched_tokens: int) -> tuple[list[list[int]], list[int]]:
+        config = EngineConfig.create(model=tiny_llama, dtype="fp32", speculative="draft",
+                                     draft_model=tiny_llama,
+                                     max_num_batched_tokens=max_num_batched_tokens)
+        proposer = DraftProposer(config, target)
+        forwards, logits = [], proposer.runner.logits
+        proposer.runner.logits = lambda plan: (forwards.append(len(plan.input_ids)),
+                                               logits(plan))[1]
+        seqs = [Sequence(i, str(i), 0, prompt, GREEDY) for i, prompt in enumerate(prompts)]
+        drafts = proposer.propose(seqs, [3, 3, 3])
+        for seq, draft in zip(seqs, drafts):  # as if the target accepted all but the last
+            seq.output_ids += draft[:-1]
+        return drafts + proposer.propose(seqs, [2, 2, 2]), forwards
+
+    bounded, forwards = proposals(budget)
+    unbounded, one_forward = proposals(4096)
+    assert bounded == unbounded
+    assert max(forwards) <= budget < max(one_forward)
+    assert sum(forwards) == sum(one_forward)  # no token computed twice
+
+
 def test_ngram_proposer_skips_a_sequence_without_a_match():
     proposer = NgramProposer(2, 4)
     seq = Sequence(0, "r", 0, [1, 2, 3, 4], SamplingParams())

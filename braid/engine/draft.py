@@ -84,23 +84,40 @@ class DraftProposer:
             self.blocks.free(self._caches.pop(seq_id).blocks)
 
     def _catch_up(self, active: list, drafts: dict[int, list[int]]) -> None:
-        """Each sequence's tokens the draft has not computed, its last one proposing."""
-        rows = [(seq.token_slice(cache.computed, seq.num_tokens), cache.computed, cache)
-                for seq, _, cache in active]
-        self._run(rows, [seq for seq, _, _ in active], drafts)
+        """Each sequence's tokens the draft has not computed, its last one proposing, in
+        forwards of at most `--max-num-batched-tokens` tokens, as the target's steps (a
+        prompt longer than that is computed over several)."""
+        budget = self.engine.scheduler.max_num_batched_tokens
+        behind = [(seq, seq.token_slice(cache.computed, seq.num_tokens), cache)
+                  for seq, _, cache in active]
+        while behind:
+            rows, proposers, rest = [], [], []  # proposers: the row's sequence where it ends
+            room = budget                       # its catch-up (its argmax is a proposal)
+            for seq, tokens, cache in behind:
+                piece = tokens[:room]
+                if len(piece):
+                    rows.append((piece, cache.computed, cache))
+                    proposers.append(seq if len(piece) == len(tokens) else None)
+                    room -= len(piece)
+                if len(piece) < len(tokens):
+                    rest.append((seq, tokens[len(piece):], cache))
+            for seq, token in zip(proposers, self._run(rows)):
+                if seq is not None:
+                    drafts[seq.seq_id].append(token)
+            behind = rest
 
     def _decode(self, group: list[tuple[Sequence, DraftCache]],
                 drafts: dict[int, list[int]]) -> None:
         """One more proposed token for each sequence of `group`."""
         rows = [([drafts[seq.seq_id][-1]], cache.computed, cache) for seq, cache in group]
-        self._run(rows, [seq for seq, _ in group], drafts)
+        for (seq, _), token in zip(group, self._run(rows)):
+            drafts[seq.seq_id].append(token)
 
-    def _run(self, rows: list[tuple[list[int], int, DraftCache]], seqs: list[Sequence],
-             drafts: dict[int, list[int]]) -> None:
-        """One draft step: each row's tokens from position `start` on; the argmax at each
-        row's last token is that sequence's next proposal."""
+    def _run(self, rows: list[tuple[list[int], int, DraftCache]]) -> list[int]:
+        """One draft step: each row's tokens from position `start` on (its cache then holds
+        keys that far); the argmax at each row's last token."""
         if not rows:
-            return
+            return []
         bs = self.engine.kv_cache.block_size
         q_lens = np.array([len(tokens) for tokens, _, _ in rows], dtype=np.int64)
         positions = np.concatenate([np.arange(start, start + len(tokens))
@@ -114,7 +131,6 @@ class DraftProposer:
                         positions[np.cumsum(q_lens) - 1] + 1, tables,
                         logit_rows=np.cumsum(q_lens) - 1)
         logits = self.runner.logits(plan)
-        for seq, (tokens, start, cache), token in zip(seqs, rows,
-                                                      logits.argmax(-1).tolist()):
+        for tokens, start, cache in rows:
             cache.computed = start + len(tokens)
-            drafts[seq.seq_id].append(token)
+        return logits.argmax(-1).tolist()
