@@ -5,6 +5,8 @@ grammar is complete; preemption and recompute change no constrained output)."""
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -146,3 +148,46 @@ def test_a_grammar_ends_its_sequence_and_preemption_changes_nothing(tokenizer):
     assert run_requests(tight, prompts, params) == expected
     assert tight.scheduler.num_preemptions > 0
     assert tight.stats().grammar.masks == sum(len(out) for out in expected)
+
+
+def test_grammars_compile_beside_the_steps_of_a_server(tokenizer):
+    """A server's engine compiles a grammar it has not seen in the grammar thread: the
+    request waits (counted as waiting), the running sequences step meanwhile, and it runs
+    once compiled; a grammar that does not compile for the vocabulary fails its request alone,
+    with a `UserError` naming its field."""
+    from braid.engine.request import Request
+
+    core, _ = constrained_core(tokenizer)
+    core.compile_grammars_aside = True
+    release = threading.Event()
+    compile_now = core.grammars._template
+    core.grammars._template = lambda structured: (release.wait(60), compile_now(structured))[1]
+    plain = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    digits = SamplingParams(max_new_tokens=12, temperature=0, n=2,
+                            structured=StructuredOutputs(regex="[0-9]{5}"))
+    unknown = SamplingParams(max_new_tokens=4, structured=StructuredOutputs(
+        grammar="start: <|nosuchtoken|>", source="guided_grammar"))
+    core.add(Request("plain", [5, 6, 7], plain, frozenset({FAKE_EOS})))
+    core.add(Request("digits", [9, 8], digits, frozenset({FAKE_EOS})))
+    core.add(Request("unknown", [9, 8], unknown, frozenset({FAKE_EOS})))
+    assert core.stats().num_waiting == 1 + 2 + 1  # "plain" not admitted yet; 3 compiling
+    done = {}
+    for _ in range(8):  # "plain" runs to its end while the grammars wait
+        assert core.admit_compiled() == []
+        for delta in core.step():
+            done.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+    assert set(done) == {"plain"} and len(done["plain"]) == 8
+    release.set()
+    failed = []
+    deadline = time.monotonic() + 60
+    while core.num_compiling and time.monotonic() < deadline:
+        failed += core.admit_compiled()
+        time.sleep(0.01)
+    ((request, error),) = failed
+    assert request.request_id == "unknown" and isinstance(error, UserError)
+    assert error.param == "guided_grammar"
+    outputs = {}
+    while core.has_work:
+        for delta in core.step():
+            outputs.setdefault((delta.request_id, delta.index), []).extend(delta.new_token_ids)
+    assert all(re.fullmatch("[0-9]{5}", tokenizer.decode(outputs["digits", i])) for i in (0, 1))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
+from concurrent.futures import Future
 from dataclasses import replace
 from itertools import count
 
@@ -71,6 +72,9 @@ class EngineCore:
                                  model_config.vocab_size,
                                  lambda tokenizer: eos_token_ids(model_config, tokenizer))
         self._sequences: dict[str, list[Sequence]] = {}
+        self.compile_grammars_aside = False  # see `add`
+        # Requests whose grammar the grammar thread compiles: the request and its future
+        self._compiling: dict[str, tuple[Request, Future]] = {}
         self._seq_ids = count()
         self._step_ids = count(1)
         self.num_steps = self.num_steps_overlap = self.num_steps_dp_linear = 0
@@ -128,10 +132,24 @@ class EngineCore:
 
     def add(self, request: Request) -> None:
         """Queue a request's `n` sequences; `UserError` if it can never run. With the prefix
-        cache on, siblings share the first one's prompt blocks (see the scheduler)."""
+        cache on, siblings share the first one's prompt blocks (see the scheduler).
+
+        With `compile_grammars_aside` set (a server's engine), a grammar not compiled yet is
+        compiled in the grammar thread while steps run: the request is queued by the
+        `admit_compiled` after that, or fails there."""
         self.num_sequences_received += request.params.n
-        if request.request_id in self._sequences:
+        if request.request_id in self._sequences or request.request_id in self._compiling:
             raise UserError(f"request id {request.request_id!r} is already in use")
+        structured = request.params.structured
+        if (self.compile_grammars_aside and structured is not None
+                and not self.grammars.is_compiled(structured)):
+            check_request(request.prompt_ids, request.params, self.model_config,
+                          self.blocks.capacity_tokens)
+            self._compiling[request.request_id] = (request, self.grammars.compile_aside(structured))
+            return
+        self._queue(request)
+
+    def _queue(self, request: Request) -> None:
         self.check_request(request.prompt_ids, request.params)
         structured = request.params.structured
         seqs = [Sequence(next(self._seq_ids), request.request_id, i, list(request.prompt_ids),
@@ -143,9 +161,30 @@ class EngineCore:
         for seq in seqs:
             self.scheduler.add(seq)
 
+    def admit_compiled(self) -> list[tuple[Request, Exception]]:
+        """Queue the requests whose grammar the grammar thread has compiled since; those whose
+        grammar failed, with the error (the grammar's `UserError`, a 400)."""
+        failed = []
+        for request_id, (request, compiled) in list(self._compiling.items()):
+            if compiled.done():
+                del self._compiling[request_id]
+                try:
+                    compiled.result()
+                    self._queue(request)
+                except Exception as e:  # noqa: BLE001 - the request's failure, not the engine's
+                    failed.append((request, e))
+        return failed
+
+    @property
+    def num_compiling(self) -> int:
+        """Sequences whose request waits for its grammar to compile."""
+        return sum(request.params.n for request, _ in self._compiling.values())
+
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Stop a request's sequences (or only completion `index`); their KV blocks are free
         at once. Unknown or finished requests are ignored (the race is the client's)."""
+        if index is None and self._compiling.pop(request_id, None) is not None:
+            return  # its grammar compiles on, for the next request that asks for it
         for seq in self._sequences.get(request_id, []):
             if (index is None or seq.index == index) and not seq.finished:
                 self.scheduler.abort(seq)
@@ -239,7 +278,8 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), self.blocks.usage, s.prefix_queries,
+        return EngineStats(len(s.running), len(s.waiting) + self.num_compiling,
+                           self.blocks.usage, s.prefix_queries,
                            s.prefix_hits, s.num_preemptions, self.num_steps,
                            self.num_steps_overlap, self.num_steps_dp_linear,
                            dict(self.steps_by_path), self.num_sequences_received,

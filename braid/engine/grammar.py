@@ -16,6 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -145,6 +146,8 @@ class Grammars:
         self._executor = None
         self._lock = threading.Lock()  # the tokenizer is converted once, maybe in a thread
         self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._cache_lock = threading.Lock()  # `_compiled`, also filled by the grammar thread
+        self._pool: ThreadPoolExecutor | None = None  # the grammar thread (`compile_aside`)
         self.times = GrammarTimes()
 
     def prepare_in_background(self) -> None:
@@ -168,20 +171,38 @@ class Grammars:
     def matcher(self, structured: StructuredOutputs):
         """A fresh matcher for one sequence (`UserError` if the grammar does not compile for
         this model's vocabulary)."""
+        return self._template(structured).deep_copy()
+
+    def is_compiled(self, structured: StructuredOutputs) -> bool:
+        """Whether `matcher` would find the grammar compiled (it then takes no time)."""
+        with self._cache_lock:
+            return structured.compiled in self._compiled
+
+    def compile_aside(self, structured: StructuredOutputs) -> Future:
+        """Compile the grammar in the grammar thread (a large schema takes a large fraction of
+        a second, mostly without Python's lock); the future's exception is `matcher`'s
+        `UserError`, and once it is done `matcher` finds the grammar compiled."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="braid-grammar")
+        return self._pool.submit(self._template, structured)
+
+    def _template(self, structured: StructuredOutputs):
         from llguidance import LLMatcher
 
         text = structured.compiled
-        template = self._compiled.get(text)
+        with self._cache_lock:
+            template = self._compiled.get(text)
         if template is None:
             template = LLMatcher(self._llg_tokenizer(), text, log_level=0)
             if template.is_error():
                 raise UserError(f"{structured.source}: {template.get_error()}",
                                 structured.source)
+        with self._cache_lock:
             self._compiled[text] = template
+            self._compiled.move_to_end(text)
             if len(self._compiled) > COMPILED_GRAMMARS_KEPT:
                 self._compiled.popitem(last=False)
-        self._compiled.move_to_end(text)
-        return template.deep_copy()
+        return template
 
     def fill(self, matchers: list) -> tuple[np.ndarray, dict[int, str]]:
         """The next token's bitmask of each matcher ([G, words] int32, bit t of a row set where

@@ -20,12 +20,14 @@ from braid.distributed.ranks import RankFailure
 from braid.distributed.ranks.local import exit_with_parent
 from braid.engine.core import EngineCore, EngineError
 from braid.engine.executor import RankExecutor
+from braid.engine.request import Request
 from braid.errors import UserError, request_failure
 from braid.loader.model_config import load_model_config
 from braid.spawn import lead_process_group
 from braid.step import SequenceDelta
 
 IDLE_POLL_S = 0.05  # how often an idle engine checks its ranks
+GRAMMAR_POLL_S = 0.005  # how often it checks on grammars compiling, when it has nothing else
 
 
 def engine_process_main(config: EngineConfig, conn: Connection) -> None:
@@ -74,11 +76,15 @@ def _describe(e: BaseException) -> str:
 
 
 def serve(core: EngineCore, conn: Connection) -> None:
-    """Take commands and step until told to stop."""
+    """Take commands and step until told to stop. Grammars compile in the grammar thread
+    meanwhile (`EngineCore.compile_grammars_aside`): a flood of large schemas never stalls
+    the running sequences' steps."""
+    core.compile_grammars_aside = True
     while True:
         refused: list[SequenceDelta] = []
         commands: list[tuple] = []
-        if conn.poll(0 if core.has_work else IDLE_POLL_S):
+        wait_s = 0 if core.has_work else GRAMMAR_POLL_S if core.num_compiling else IDLE_POLL_S
+        if conn.poll(wait_s):
             while True:
                 commands += conn.recv()
                 if not conn.poll(0):
@@ -87,25 +93,31 @@ def serve(core: EngineCore, conn: Connection) -> None:
             if command[0] == "stop":
                 return
             if command[0] == "add":
-                request = command[1]
                 try:
-                    core.add(request)
+                    core.add(command[1])
                 except Exception as e:  # noqa: BLE001 - a request's own fault fails it alone
-                    # A UserError is the request's (a grammar that does not compile for this
-                    # vocabulary, say): a 400 naming its field
-                    invalid = isinstance(e, UserError)
-                    error = str(e) if invalid else request_failure("adding the request", e)
-                    refused += [SequenceDelta(request.request_id, i, finish_reason="error",
-                                              error=error, invalid=invalid,
-                                              param=getattr(e, "param", None))
-                                for i in range(request.params.n)]
+                    refused += _refusal(command[1], e)
             elif command[0] == "abort":
                 core.abort(*command[1:])
+        for request, error in core.admit_compiled():
+            refused += _refusal(request, error)
         stepped = core.has_work
         if stepped:
             deltas = core.step()
         else:
             core.executor.check_alive()
             deltas = []
-        if commands or stepped:  # every step: its admissions change what the API counts
+        # Every step too: its admissions change what the API counts
+        if commands or refused or stepped:
             conn.send(("outputs", refused + deltas, core.stats()))
+
+
+def _refusal(request: Request, e: Exception) -> list[SequenceDelta]:
+    """An error delta for each of the sequences of a request the engine refused. A
+    `UserError` is the request's (a grammar that does not compile for this vocabulary, say):
+    a 400 naming its field."""
+    invalid = isinstance(e, UserError)
+    error = str(e) if invalid else request_failure("adding the request", e)
+    return [SequenceDelta(request.request_id, i, finish_reason="error", error=error,
+                          invalid=invalid, param=getattr(e, "param", None))
+            for i in range(request.params.n)]
