@@ -46,14 +46,9 @@ class ServerProcess:
         return engine, spawned(engine)
 
     def session(self) -> list[psutil.Process]:
-        """The processes of the server's session that still run (zombies excluded): the
-        server, its engine, ranks and their compilers."""
-        found = []
-        for proc in psutil.process_iter():
-            with contextlib.suppress(psutil.Error, OSError):
-                if os.getsid(proc.pid) == self.proc.pid and proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append(proc)
-        return found
+        """The processes of the server's session that still run: the server, its engine,
+        ranks and their compilers."""
+        return session_processes(self.proc.pid)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         """Signal the server and wait for it; kill it if it does not stop in time."""
@@ -64,9 +59,27 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        for proc in self.session():  # what a server killed here left behind
-            proc.kill()
+        kill_session(self.proc.pid)  # what a server killed here left behind
         return self.proc.returncode
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    """The processes of session `sid` that still run (zombies excluded). braid's engine and
+    ranks lead process groups of their own, but stay in the session of the command that
+    started them."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process left in session `sid`."""
+    for proc in session_processes(sid):
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
 
 
 def shm_segments_of(pid: int) -> list[str]:

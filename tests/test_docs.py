@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from server_utils import free_port
+from server_utils import free_port, kill_session
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"  # the workspace's shared folder, for ../shared/data/mmlu
@@ -124,8 +124,8 @@ class Page:
             try:
                 codes[page_port] = proc.wait(60)
             except subprocess.TimeoutExpired:
-                proc.kill()
                 codes[page_port] = "still running 60 s after SIGTERM"
+            kill_session(proc.pid)
         self.servers.clear()
         return {port: code for port, code in codes.items() if code != 0}
 
@@ -163,7 +163,8 @@ def start_server(command: str, page: Page) -> None:
         command += f" --port {port}"
     log = open(page.sandbox / f"server-{page_port}.log", "w")  # noqa: SIM115 - the server's
     proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=page.sandbox,
-                            env=environment(), stdout=log, stderr=subprocess.STDOUT)
+                            env=environment(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     page.servers[page_port] = (proc, port)
     deadline = time.monotonic() + 240
     while True:
@@ -198,13 +199,17 @@ def run_block(block: Block, page: Page) -> None:
     else:
         argv = ["bash", "-euo", "pipefail", "-c", code]
     timeout = SLOW_TIMEOUT_S - 60 if block.slow else 540
-    proc = subprocess.run(argv, cwd=page.sandbox, env=environment(), capture_output=True,
-                          text=True, timeout=timeout)
-    report = (f"{block.page} line {block.line}:\n{code}\nstdout:\n{proc.stdout}\n"
-              f"stderr:\n{proc.stderr}")
+    # A session of its own: whatever the block started is ended with it, even when it fails
+    proc = subprocess.Popen(argv, cwd=page.sandbox, env=environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        kill_session(proc.pid)
+    report = f"{block.page} line {block.line}:\n{code}\nstdout:\n{stdout}\nstderr:\n{stderr}"
     assert proc.returncode == 0, report
-    assert proc.stdout.strip(), report
-    assert '"error"' not in proc.stdout, report  # a server's error body (curl exits 0)
+    assert stdout.strip(), report
+    assert '"error"' not in stdout, report  # a server's error body (curl exits 0)
 
 
 def _param(block: Block):
