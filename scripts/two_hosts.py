@@ -123,23 +123,25 @@ def _existing_namespaces() -> set[str]:
     return {line.split()[0] for line in listed.splitlines() if line.strip()}
 
 
+def namespace_pids(name: str) -> list[int]:
+    """The processes inside namespace `name` (this one excepted)."""
+    listed = _run("ip", "netns", "pids", name, check=False).stdout
+    return [int(p) for p in listed.split() if p.isdigit() and int(p) != os.getpid()]
+
+
 def _kill_namespace_processes(name: str, grace: float = 2.0,
                               first: signal.Signals = signal.SIGTERM) -> None:
     """End every process inside namespace `name`: `first` (SIGTERM), then SIGKILL after
     `grace` s."""
-    def pids() -> list[int]:
-        listed = _run("ip", "netns", "pids", name, check=False).stdout
-        return [int(p) for p in listed.split() if p.isdigit() and int(p) != os.getpid()]
-
     for sig, wait in ((first, grace), (signal.SIGKILL, 1.0)):
-        running = pids()
+        running = namespace_pids(name)
         if not running:
             return
         for pid in running:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + wait
-        while pids() and time.monotonic() < deadline:
+        while namespace_pids(name) and time.monotonic() < deadline:
             time.sleep(0.05)
 
 

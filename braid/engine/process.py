@@ -38,12 +38,15 @@ def engine_process_main(config: EngineConfig, conn: Connection) -> None:
     exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    executor = None
     try:
         model_config = load_model_config(config.model, config.cache)
         executor = RankExecutor(config, model_config)
         executor.wait_ready()
     except SystemExit:
-        raise  # stopped: the ranks' group closes at exit
+        if executor is not None:  # stopped while the ranks load: they stop too
+            executor.close()
+        raise
     except UserError as e:
         conn.send(("fatal", f"error: {e}"))
         sys.exit(2)

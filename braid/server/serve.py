@@ -43,19 +43,36 @@ class _Server(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        handled = (signal.SIGINT, signal.SIGTERM)
-        originals = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-        try:
+        with _signals_call(self.handle_exit):
             yield
-        finally:
-            for sig, handler in originals.items():
-                signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame) -> None:
         if not self.should_exit and self.loop is not None:
             self.loop.call_soon_threadsafe(self.loop.call_later, self.grace_s,
                                            self.engine.abort_all)
         super().handle_exit(sig, frame)
+
+
+class _Stopped(Exception):
+    """SIGINT or SIGTERM while the server starts."""
+
+
+def _raise_stopped(*_) -> None:
+    """SIGINT or SIGTERM during start-up (loading, compiling: minutes, cold): a stop as clean
+    as one asked for later."""
+    raise _Stopped
+
+
+@contextlib.contextmanager
+def _signals_call(handler) -> Iterator[None]:
+    """While inside, SIGINT and SIGTERM call `handler`."""
+    handled = (signal.SIGINT, signal.SIGTERM)
+    originals = {sig: signal.signal(sig, handler) for sig in handled}
+    try:
+        yield
+    finally:
+        for sig, original in originals.items():
+            signal.signal(sig, original)
 
 
 def served_name(model: str) -> str:
@@ -70,10 +87,15 @@ def run_server(config: EngineConfig, settings: ServeSettings) -> int:
     check_model_path(config.model)  # a clear error before any process starts
     engine = AsyncEngine(config)
     try:
-        tokenizer = load_tokenizer(config.model, config.cache)  # while the engine loads the model
-        if chat_template is not None:
-            tokenizer.chat_template = chat_template
-        model_config = engine.wait_ready()
+        try:
+            with _signals_call(_raise_stopped):
+                # the tokenizer while the engine loads the model
+                tokenizer = load_tokenizer(config.model, config.cache)
+                if chat_template is not None:
+                    tokenizer.chat_template = chat_template
+                model_config = engine.wait_ready()
+        except _Stopped:
+            return 0  # a stop asked for before the server was up: the engine stops below
         metrics = Metrics()
         ctx = ServerContext(
             engine=engine, tokenizer=tokenizer, model_config=model_config,

@@ -5,7 +5,8 @@ across hosts nothing tells one host's ranks that the other's are gone. Rank 0 is
 its own rank runs in a thread beside it, and step plans reach the other ranks by broadcast over
 a separate gloo group (so they never interleave with the model's collectives on the default
 group). A heartbeat through torchrun's store (`_Heartbeat`) ends the launch on both sides within
-its timeout when a host is killed or cut off.
+its timeout when a host is killed or cut off, and carries rank 0's "stop" to ranks too busy
+(compiling) to read the broadcast.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from datetime import timedelta
 
 from braid import spawn
 from braid.distributed.ranks import PEER_FAILURE_MARKERS, RankFailure, Target
-from braid.distributed.ranks.local import POLL_S, cores_for_rank
+from braid.distributed.ranks.local import POLL_S, STOP_WAIT_S, cores_for_rank, exit_after
 from braid.errors import UserError
 from braid.platform import usable_cores
 
@@ -68,11 +69,17 @@ class _Heartbeat:
     (on host 0) cannot be reached. Not a collective: gloo collectives from a second thread
     corrupted the heap (within minutes: most likely docs/gloo-race.md's race), and the store
     needs none.
+
+    The store also carries the launch's end: rank 0's `stop(announce=True)` sets a key that
+    the other ranks' heartbeats read within a beat and answer with `on_stop`. A rank busy in a
+    step or a compile would read the plans' "stop" only when done (minutes, compiling).
     """
 
-    def __init__(self, timeout_s: float, on_loss: Callable[[str], None]) -> None:
-        self._timeout_s, self._on_loss = timeout_s, on_loss
+    def __init__(self, timeout_s: float, on_loss: Callable[[str], None],
+                 on_stop: Callable[[], None] | None = None) -> None:
+        self._timeout_s, self._on_loss, self._on_stop = timeout_s, on_loss, on_stop
         self._stopping = threading.Event()
+        self._announce = False
         self._thread = threading.Thread(target=self._beat, name="braid-heartbeat", daemon=True)
         self._thread.start()
 
@@ -80,9 +87,12 @@ class _Heartbeat:
         import torch.distributed as dist
 
         rank, world_size = torchrun_rank()
-        prefix = f"braid-heartbeat/{os.environ['TORCHELASTIC_RUN_ID']}"
+        # A restarted launch (torchrun --max-restarts) keeps its run id, not its keys
+        prefix = (f"braid-heartbeat/{os.environ['TORCHELASTIC_RUN_ID']}/"
+                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
         others = [r for r in range(world_size) if r != rank]
         keys = [f"{prefix}/{r}" for r in others]
+        stop_key = f"{prefix}/stop"
         last = {r: (None, time.monotonic()) for r in others}  # counter, when it last moved
         beats = 0
         try:
@@ -92,6 +102,9 @@ class _Heartbeat:
             while not self._stopping.is_set():
                 store.set(f"{prefix}/{rank}", str(beats))
                 beats += 1
+                if self._on_stop is not None and store.check([stop_key]):
+                    self._on_stop()
+                    return
                 seen = store.multi_get(keys) if store.check(keys) else [None] * len(keys)
                 now = time.monotonic()
                 for r, value in zip(others, seen):
@@ -101,13 +114,17 @@ class _Heartbeat:
                         self._on_loss(f"rank {r} has not beaten for {self._timeout_s:g} s")
                         return
                 self._stopping.wait(HEARTBEAT_S)
+            if self._announce:
+                store.set(stop_key, "")
         except Exception as e:  # noqa: BLE001 - the store's host is gone or cut off
             if not self._stopping.is_set():
                 text = str(e).strip()
                 self._on_loss(f"torchrun's store on rank 0's host stopped answering: "
                               f"{text.splitlines()[0] if text else repr(e)}")
 
-    def stop(self) -> None:
+    def stop(self, announce: bool = False) -> None:
+        """Stop beating; with `announce`, tell the other ranks that the launch stops."""
+        self._announce = announce
         self._stopping.set()
         self._thread.join(HEARTBEAT_S + 5)
 
@@ -149,7 +166,8 @@ def run_torchrun_worker(target: Target) -> None:
               flush=True)
         os._exit(1)
 
-    heartbeat = _Heartbeat(timeout_s, lost)
+    # torchrun made this process a session's leader: what it started (compilers) ends with it
+    heartbeat = _Heartbeat(timeout_s, lost, on_stop=lambda: exit_after(None, 0))
     try:
         spawn.resolve(target)(rank, world_size, conn, *args)
     finally:
@@ -245,12 +263,15 @@ class TorchrunRankGroup:
         return self.recv(0)
 
     def close(self) -> None:
+        """Stop every rank: idle ones read "stop" from the plans' broadcast, busy ones (in a
+        step or a compile) hear it from the heartbeat within a beat. The heartbeat first: the
+        broadcast may wait for a busy rank (this process is then killed by its parent)."""
         if not self._closed:
             self._closed = True
+            self._heartbeat.stop(announce=True)
             try:
-                self._heartbeat.stop()
                 self.send_all(("stop", None))
-                self._thread.join()
+                self._thread.join(STOP_WAIT_S)  # a busy rank 0 ends with this process
             except (RankFailure, RuntimeError, OSError):
                 pass  # the other hosts stopped first (torchrun ends every host at once)
         if self._cleanup is not None:
