@@ -273,8 +273,8 @@ def test_bench_serving_prints_sglangs_block_and_counts_failures(server, tmp_path
     assert json.loads(out.read_text().splitlines()[-1])["completed"] == 0
 
 
-def test_a_dead_rank_ends_the_server_within_10s(tmp_path):
-    with braid_server("--tp", "2", log_dir=tmp_path) as server:
+def test_a_dead_rank_ends_the_server_within_10s(tmp_path, tiny_llama):
+    with braid_server("--model", tiny_llama, "--tp", "2", log_dir=tmp_path) as server:
         engine, ranks = server.engine_and_ranks()
         base = server.base_url
         stream = httpx.stream("POST", f"{base}/v1/completions", timeout=30, json={

@@ -1,7 +1,7 @@
 """SIGTERM stops `braid serve` within 5 s wherever it is, and leaves nothing behind: no process
 of its session (engine, ranks, inductor's compilers), no shared memory. Idle: the shared
-server's teardown (conftest); while it compiles its steps at start and under load: here;
-across two hosts: test_two_host_serving."""
+server's teardown (conftest); while it compiles its steps at start, and under load (make
+test-all): here; across two hosts: test_two_host_serving and test_two_host_stops."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 from server_utils import ServerProcess, braid_server, start_server
 
 STOP_WITHIN_S = 5.0
@@ -63,6 +64,8 @@ def test_sigterm_while_the_steps_compile_at_start(tiny_llama, tmp_path):
         server.stop()
 
 
+# make test-all (make test: under load across two hosts, test_two_host_serving's `served`)
+@pytest.mark.slow
 def test_sigterm_under_load_ends_every_stream(tiny_llama, tmp_path):
     """Eight long streams in flight: they get the grace period, then end with finish reason
     "abort" (none is lost), and the server is gone within the budget, exit code 0."""
