@@ -84,11 +84,11 @@ def _rank_entry(target: Target, rank: int, world_size: int, store_port: int,
                 cleanup: Callable[[], str | None] | None) -> None:
     lead_process_group()
     exit_with_parent(parent=driver, on_exit=cleanup)
-    # The driver decides when ranks stop: Ctrl-C is its to handle, and its SIGTERM (a rank
-    # busy compiling or stepping would read "stop" only when done) ends the rank at once,
-    # with its cleanup and its compilers.
+    # The driver decides when ranks stop: SIGINT is ignored, and SIGTERM keeps its default
+    # action, which ends a rank at once even inside a collective (where a Python handler would
+    # wait for it); the driver then runs the cleanup and ends the rank's process group (its
+    # compilers).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: exit_after(cleanup, 128 + signal.SIGTERM))
     try:
         import torch
         import torch.distributed as dist
@@ -315,9 +315,7 @@ class LocalRankGroup:
             except OSError:
                 pass
         # An idle rank reads "stop" at once; one in the middle of a step or a compile (the
-        # driver was interrupted waiting for it) would read it only when done, so it gets
-        # SIGTERM (its handler cleans up and exits) and, if it is stuck where Python's
-        # handlers cannot run, SIGKILL.
+        # driver was interrupted waiting for it) would read it only when done: SIGTERM.
         deadline = time.monotonic() + (0.0 if self._answer_pending else STOP_WAIT_S)
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
