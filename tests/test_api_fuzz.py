@@ -45,7 +45,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # after it are not sent (the closing line counts them). Schema-valid random bodies for the two
 # generating operations reach the engine and take longest, so they get GENERATING_SHARE times
 # the time of any other operation and mode.
-FUZZ_BUDGET_S = 30
+FUZZ_BUDGET_S = 24
 GENERATING_SHARE = 4
 RANDOM_EXAMPLES = 100  # random cases per operation and generation mode (Hypothesis' max_examples)
 REQUEST_TIMEOUT_S = 15  # any answer slower than this, with the caps below, is a hang
