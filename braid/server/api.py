@@ -14,17 +14,21 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from braid.engine.request import SamplingParams, check_request
 from braid.errors import UserError
 from braid.loader.model_config import ModelConfig
+from braid.server import anthropic, responses_api
+from braid.server.anthropic import CountTokensRequest, MessagesRequest, MessagesResponder
 from braid.server.async_engine import AsyncEngine, EngineDead
 from braid.server.chat_tools import ToolOutput
 from braid.server.generation import PromptRun, close, generate, make_runs, submit
@@ -42,6 +46,7 @@ from braid.server.protocol import (
     unsupported_field,
 )
 from braid.server.responses import ChatResponder, CompletionResponder, sse
+from braid.server.responses_api import ResponsesRequest, ResponsesResponder, ResponseStore
 from braid.server.tool_calls import ToolCallParser
 
 DISCONNECT_POLL_S = 0.5
@@ -66,6 +71,7 @@ class ServerContext:
     limits: RequestLimits = field(default_factory=RequestLimits)
     report_cached_tokens: bool = True  # usage.prompt_tokens_details.cached_tokens
     tool_parser: ToolCallParser | None = None  # reads tool_choice "auto" outputs
+    response_store: ResponseStore = field(default_factory=lambda: ResponseStore(256))
     created: int = 0
 
     @property
@@ -101,6 +107,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
                            open_paths=frozenset() if ctx.api_key_all_routes else OPEN_PATHS)
     models = bounded_models(ctx.limits, ctx.model_config.vocab_size, ctx.max_model_len,
                             ctx.model_name, auto_tool_calls=ctx.tool_parser is not None)
+    messages_model, count_tokens_model = anthropic.bounded_models(
+        ctx.limits, ctx.max_model_len, ctx.model_name)
+    responses_model = responses_api.bounded_model(ctx.max_model_len, ctx.model_name)
 
     def post(path: str, body_model: type) -> Callable:
         """`app.post`, with the handler's `body` typed by this server's bounded model (a
@@ -147,7 +156,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
         deltas = submit(ctx.engine, runs, ctx.eos_token_ids, ctx.metrics)
         events = generate(ctx.engine, runs, deltas, ctx.metrics)
         if stream:
-            return sse(response.chunks(events), on_close=lambda: close(ctx.engine, runs))
+            return sse(response.chunks(events), on_close=lambda: close(ctx.engine, runs),
+                       typed=response.typed_events, stopped=response.stopped_event)
         try:
             return await _complete(raw, runs, events, response.response)
         finally:
@@ -204,8 +214,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
                                        ctx.report_cached_tokens)
         return await run(runs, body.stream, response, raw)
 
-    @post("/v1/chat/completions", models.chat)
-    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+    def chat_runs(body: ChatCompletionRequest, prefix: str) -> tuple[list[PromptRun],
+                                                                       ToolOutput]:
+        """A checked chat request's run (ids `{prefix}-...`) and how its text is read."""
         check_fields(body)
         check_capacity(body.n)
         tools = _tool_output(body, ctx.tool_parser)
@@ -217,7 +228,60 @@ def build_app(ctx: ServerContext) -> FastAPI:
             raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
         params = body.sampling_params(max_tokens, (top or 0) if body.logprobs else None, None)
         _check(ids, params, ctx, "messages")
-        runs = make_runs(f"chatcmpl-{secrets.token_hex(12)}", [ids], params, ctx.tokenizer)
+        return make_runs(f"{prefix}-{secrets.token_hex(12)}", [ids], params,
+                         ctx.tokenizer), tools
+
+    def as_chat(body, *args) -> ChatCompletionRequest:
+        """The chat completion request of another API's request (`body.chat_request(*args)`),
+        checked like any chat request."""
+        try:
+            return models.chat.model_validate({**body.chat_request(*args),
+                                               "model": body.model})
+        except ValidationError as e:
+            raise _invalid(e.errors()) from None
+
+    @post("/v1/messages", messages_model)
+    async def messages(body: MessagesRequest, raw: Request) -> Response:
+        with _named_as(body.chat_names):
+            runs, tools = chat_runs(as_chat(body), "msg")
+        response = MessagesResponder(ctx.model_name, runs[0], tools, ctx.report_cached_tokens)
+        return await run(runs, body.stream, response, raw)
+
+    @post("/v1/messages/count_tokens", count_tokens_model)
+    async def count_tokens(body: CountTokensRequest) -> dict:
+        with _named_as(body.chat_names):
+            chat = as_chat(body)
+            check_fields(chat)
+            tools = _tool_output(chat, ctx.tool_parser)
+            ids = _chat_prompt(ctx.tokenizer, chat.messages,
+                               chat.tool_dicts() if tools.mode != "none" else None)
+        return {"input_tokens": len(ids)}
+
+    @post("/v1/responses", responses_model)
+    async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+        with _named_as(body.chat_names):
+            conversation = body.conversation(ctx.response_store)
+            runs, tools = chat_runs(as_chat(body, conversation), "resp")
+        response = ResponsesResponder(ctx.model_name, body, conversation, runs[0], tools,
+                                      ctx.report_cached_tokens, ctx.response_store.put)
+        return await run(runs, body.stream, response, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        entry = ctx.response_store.get(response_id)
+        if entry is None:
+            raise _no_response(response_id)
+        return entry[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        if not ctx.response_store.delete(response_id):
+            raise _no_response(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @post("/v1/chat/completions", models.chat)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        runs, tools = chat_runs(body, "chatcmpl")
         response = ChatResponder(ctx.tokenizer, ctx.model_name, body, runs,
                                  ctx.report_cached_tokens, tools)
         return await run(runs, body.stream, response, raw)
@@ -234,46 +298,74 @@ def _is_ids(prompt) -> bool:
     return bool(prompt) and all(isinstance(p, int) for p in prompt)
 
 
+@contextmanager
+def _named_as(names: dict[str, str]) -> Iterator[None]:
+    """Errors of a request translated into a chat request name the field as the client's API
+    does (`names`: chat's field -> the API's)."""
+    try:
+        yield
+    except APIError as e:
+        e.param = names.get(e.param, e.param)
+        raise
+    except UserError as e:
+        raise APIError(400, str(e), names.get(e.param, e.param)) from None
+
+
+def _no_response(response_id: str) -> APIError:
+    return APIError(404, f"no stored response has the id {response_id!r} (never stored, "
+                         "deleted, or evicted)", "response_id", "not_found_error")
+
+
+def _invalid(errors: list) -> APIError:
+    """A 400 naming the field of a body's most specific validation error (of a union's
+    options, the one that got furthest into the body)."""
+    first = max(errors, key=lambda error: len(error.get("loc", ())))
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first.get('msg')}")
+    fields = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = fields[0] if fields else None
+    where = ".".join(fields) or "body"
+    return APIError(400, f"{where}: {first.get('msg')}", param)
+
+
 def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
-    def answer(e: APIError) -> JSONResponse:
+    def answer(request: Request, e: APIError) -> JSONResponse:
         if e.status < 500 and e.status not in (401, 413, 429):  # those count where raised
             metrics.reject("not_found" if e.status == 404 else "invalid")
+        if request.url.path.startswith(anthropic.PATH_PREFIX):
+            return JSONResponse(anthropic.error_body(e.status, e.message), status_code=e.status,
+                                headers=e.headers)
         return e.response()
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return answer(e)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return answer(request, e)
 
     @app.exception_handler(UserError)
-    async def user_error(_: Request, e: UserError) -> JSONResponse:
-        return answer(APIError(400, str(e), e.param))
+    async def user_error(request: Request, e: UserError) -> JSONResponse:
+        return answer(request, APIError(400, str(e), e.param))
 
     @app.exception_handler(EngineDead)
-    async def engine_dead(_: Request, e: EngineDead) -> JSONResponse:
-        return APIError(503, "the engine is not running", type_="server_error").response()
+    async def engine_dead(request: Request, e: EngineDead) -> JSONResponse:
+        return answer(request, APIError(503, "the engine is not running",
+                                        type_="server_error"))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0]
-        if first.get("type") == "json_invalid":
-            return answer(APIError(400, f"malformed JSON body: {first.get('msg')}"))
-        fields = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = fields[0] if fields else None
-        where = ".".join(fields) or "body"
-        return answer(APIError(400, f"{where}: {first.get('msg')}", param))
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        return answer(request, _invalid(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return answer(APIError(e.status_code, str(e.detail),
-                               type_="not_found_error" if e.status_code == 404 else
-                               "invalid_request_error"))
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return answer(request, APIError(e.status_code, str(e.detail),
+                                        type_="not_found_error" if e.status_code == 404 else
+                                        "invalid_request_error"))
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, e: Exception) -> JSONResponse:
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
         # A bug, not the client's doing: its trace goes to the server's log (uvicorn logs
         # what this handler answered), not to the client.
-        return APIError(500, "internal error (see the server's log)",
-                        type_="server_error").response()
+        return answer(request, APIError(500, "internal error (see the server's log)",
+                                        type_="server_error"))
 
 
 def _check(ids: list[int], params: SamplingParams, ctx: ServerContext, prompt_field: str) -> None:

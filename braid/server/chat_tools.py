@@ -7,6 +7,9 @@ text pieces into `delta.content` and `delta.tool_calls` entries (OpenAI's shapes
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 from braid.server.tool_calls import (
     ToolCall,
     ToolCallParser,
@@ -96,3 +99,66 @@ class ChoiceTools:
             entries.append({"index": self.num_calls, **call.to_openai()})
             self.num_calls += 1
         return entries
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """A step of a streamed choice seen as output blocks: a block of text or a function call
+    opens ("start"), grows ("delta": text, or the call's arguments) and closes ("stop")."""
+
+    kind: Literal["start", "delta", "stop"]
+    block: Literal["text", "call"]
+    index: int  # the block's position in the choice's output
+    text: str = ""
+    call_id: str | None = None  # a call's start: its id and function
+    name: str | None = None
+
+
+class OutputBlocks:
+    """A streamed choice as a sequence of blocks, each opened, extended and closed in turn:
+    the shape of Anthropic's content blocks and of the Responses API's output items (OpenAI's
+    chat deltas instead interleave content and calls)."""
+
+    def __init__(self, output: ToolOutput) -> None:
+        self._choice = output.choice()
+        self.count = 0  # blocks opened
+        self._open: str | None = None  # the kind of the open block
+
+    @property
+    def num_calls(self) -> int:
+        return self._choice.num_calls
+
+    def feed(self, text: str) -> list[BlockEvent]:
+        """The events of a piece of the choice's text."""
+        return self._events(*self._choice.feed(text))
+
+    def finish(self) -> list[BlockEvent]:
+        """The events the end of the text releases, the last block's stop among them."""
+        return self._events(*self._choice.finish()) + self._close()
+
+    def _events(self, content: str, entries: list[dict]) -> list[BlockEvent]:
+        events = []
+        if content:
+            if self._open != "text":
+                events += self._close() + [self._start("text")]
+            events.append(BlockEvent("delta", "text", self.count - 1, content))
+        for entry in entries:
+            function = entry["function"]
+            if "id" in entry:  # a new call; without an id, more arguments of the open one
+                events += self._close() + [self._start("call", entry["id"], function["name"])]
+            if function.get("arguments"):
+                events.append(BlockEvent("delta", "call", self.count - 1,
+                                         function["arguments"]))
+        return events
+
+    def _start(self, block: str, call_id: str | None = None,
+               name: str | None = None) -> BlockEvent:
+        self._open = block
+        self.count += 1
+        return BlockEvent("start", block, self.count - 1, call_id=call_id, name=name)
+
+    def _close(self) -> list[BlockEvent]:
+        if self._open is None:
+            return []
+        block, self._open = self._open, None
+        return [BlockEvent("stop", block, self.count - 1)]

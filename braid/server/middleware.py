@@ -1,5 +1,6 @@
 """ASGI middleware that answers before a request body is read or parsed: the API key (from
-the headers alone) and the body's size. Both answer in OpenAI's error shape."""
+the headers alone) and the body's size. Both answer in OpenAI's error shape, or Anthropic's on
+its routes."""
 
 from __future__ import annotations
 
@@ -9,12 +10,23 @@ from collections.abc import Callable
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from braid.server import anthropic
 from braid.server.protocol import error_body
+
+
+def _error(scope: Scope, status: int, message: str, type_: str, code: str,
+           headers: dict[str, str]) -> JSONResponse:
+    if scope["path"].startswith(anthropic.PATH_PREFIX):
+        body = anthropic.error_body(status, message)
+    else:
+        body = error_body(message, type_, code=code)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class RequireAPIKey:
     """401 for a request to any path outside `open_paths` without `Authorization: Bearer KEY`
-    (compared in constant time), before anything else of the request is looked at."""
+    or `x-api-key: KEY` (Anthropic's header), compared in constant time, before anything else
+    of the request is looked at."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str],
                  on_reject: Callable[[str], None]) -> None:
@@ -23,15 +35,15 @@ class RequireAPIKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, supplied = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(supplied.strip(),
-                                                                         self._key):
+            headers = dict(scope["headers"])
+            scheme, _, supplied = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer":
+                supplied = headers.get(b"x-api-key", b"")
+            if not secrets.compare_digest(supplied.strip(), self._key):
                 self.on_reject("unauthorized")
-                response = JSONResponse(
-                    error_body("invalid API key: pass it as 'Authorization: Bearer KEY'",
-                               "authentication_error", code="invalid_api_key"),
-                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                response = _error(scope, 401, "invalid API key: pass it as 'Authorization: "
+                                  "Bearer KEY' or 'x-api-key: KEY'", "authentication_error",
+                                  "invalid_api_key", {"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -66,9 +78,9 @@ class LimitBody:
                 break
         if too_large:
             self.on_reject("body_too_large")
-            response = JSONResponse(error_body(
-                f"the request body exceeds {self.max_bytes} bytes (--max-request-bytes)",
-                code="request_too_large"), status_code=413, headers={"Connection": "close"})
+            response = _error(scope, 413, f"the request body exceeds {self.max_bytes} bytes "
+                              "(--max-request-bytes)", "invalid_request_error",
+                              "request_too_large", {"Connection": "close"})
             await response(scope, receive, send)
             return
         body = b"".join(chunks)

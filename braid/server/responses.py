@@ -32,16 +32,25 @@ class _Stream(StreamingResponse):
             self.on_close()
 
 
-def sse(chunks: AsyncIterator[dict], on_close: Callable[[], None]) -> StreamingResponse:
-    """Server-sent events in OpenAI's format, ending with `data: [DONE]`."""
+def sse(chunks: AsyncIterator[dict], on_close: Callable[[], None], typed: bool = False,
+        stopped: Callable[[], dict | None] = lambda: None) -> StreamingResponse:
+    """Server-sent events: OpenAI's chat and completion chunks as `data:` lines ending with
+    `data: [DONE]`, or (`typed`) events named by their `type` field, as the Responses and
+    Anthropic's Messages streams send them, with no end marker. `stopped` makes the last event
+    when the engine stops meanwhile (None: an error in OpenAI's shape)."""
+
+    def line(chunk: dict) -> str:
+        data = f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+        return f"event: {chunk['type']}\n{data}" if typed else data
 
     async def lines() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+                yield line(chunk)
         except EngineDead:  # why is in the server's log
-            yield f"data: {json.dumps(error_body('the engine stopped', 'server_error'))}\n\n"
-        yield "data: [DONE]\n\n"
+            yield line(stopped() or error_body("the engine stopped", "server_error"))
+        if not typed:
+            yield "data: [DONE]\n\n"
 
     return _Stream(lines(), on_close)
 
@@ -64,6 +73,7 @@ class _Responder:
     """Shared by the completions and chat responders: ids, timestamps, error chunks."""
 
     object_name = ""
+    typed_events = False  # `sse`'s: chunks as `data:` lines ending with [DONE]
 
     def __init__(self, tokenizer, model_name: str, body, runs: list[PromptRun],
                  report_cached: bool = True) -> None:
@@ -76,6 +86,10 @@ class _Responder:
     def envelope(self, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": self.object_name, "created": self.created,
                 "model": self.model_name, "choices": choices, **extra}
+
+    def stopped_event(self) -> dict | None:
+        """The stream's last event when the engine stops (None: `sse`'s default)."""
+        return None
 
     def include_usage(self) -> bool:
         return bool(self.request.stream_options and self.request.stream_options.include_usage)

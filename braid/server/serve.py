@@ -26,6 +26,7 @@ from braid.loader.tokenizer import eos_token_ids, load_tokenizer
 from braid.server.api import ServerContext, build_app
 from braid.server.async_engine import AsyncEngine
 from braid.server.metrics import Metrics
+from braid.server.responses_api import ResponseStore
 from braid.server.settings import ServeSettings
 from braid.server.tool_calls import parser_for
 
@@ -107,6 +108,7 @@ def run_server(config: EngineConfig, settings: ServeSettings) -> int:
             limits=settings.limits, report_cached_tokens=settings.report_cached_tokens,
             tool_parser=parser_for(settings.tool_call_parser,
                                    getattr(tokenizer, "chat_template", None)),
+            response_store=ResponseStore(settings.responses_store_size),
             created=int(time.time()))
         metrics.queued.set_function(lambda: engine.queued_sequences)
         server = _Server(uvicorn.Config(build_app(ctx), host=settings.host, port=settings.port,

@@ -36,6 +36,9 @@ class ServeSettings:
     tool_call_parser: str = setting(
         "auto", "how tool calls are read from the output of tool_choice auto (auto: from the "
         "chat template's markers)", choices=("auto", "none", *TOOL_CALL_PARSERS))
+    responses_store_size: int = setting(
+        256, "most /v1/responses answers kept for previous_response_id and GET (in memory, "
+        "the least recently used evicted; 0: none kept)", metavar="N", at_least=0)
     log_level: str = setting("info", "uvicorn's log level",
                              choices=("critical", "error", "warning", "info", "debug"))
     limit_concurrency: int = setting(
