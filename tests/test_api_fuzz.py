@@ -32,20 +32,23 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
+from braid.server.anthropic import CountTokensRequest, MessagesRequest
 from braid.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from braid.server.responses_api import ResponsesRequest
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # Wall-clock budget of all fuzz requests on a 2-core host (the server's start is the fixture's):
-# what is left of it when the boundary cases are done goes to the random ones, and cases drawn
-# after it are not sent (the closing line counts them). Schema-valid random bodies for the two
-# generating operations reach the engine and take longest, so they get GENERATING_SHARE times
-# the time of any other operation and mode.
-FUZZ_BUDGET_S = 24
+# BOUNDARY_SHARE of it to the boundary cases, the rest (and what they leave) to the random ones,
+# whose phases stop at their share's end (the closing line counts them). Schema-valid random
+# bodies for the generating operations reach the engine and take longest, so they get
+# GENERATING_SHARE times the time of any other operation and mode.
+FUZZ_BUDGET_S = 30
+BOUNDARY_SHARE = 0.5
 GENERATING_SHARE = 4
 RANDOM_EXAMPLES = 100  # random cases per operation and generation mode (Hypothesis' max_examples)
 REQUEST_TIMEOUT_S = 15  # any answer slower than this, with the caps below, is a hang
@@ -64,11 +67,20 @@ MAX_SCHEMA_N = 128  # protocol.SamplingFields.n's bound
 EXAMPLES_SHOWN = 3  # bodies the report shows of each kind of failure
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+MESSAGES_PATH = "/v1/messages"
+RESPONSES_PATH = "/v1/responses"
+GENERATING_PATHS = (COMPLETIONS_PATH, CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH)
 _INT = pydantic.TypeAdapter(int)
 # The top-level fields each body model reads (the report leaves out the others, which the server
 # ignores, so a reproducing body stays readable).
 FIELDS = {COMPLETIONS_PATH: CompletionRequest, CHAT_PATH: ChatCompletionRequest,
-          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+          MESSAGES_PATH: MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
+          RESPONSES_PATH: ResponsesRequest}
+# A streamed error event that is the server's fault, in OpenAI's, Anthropic's or the Responses
+# API's shape
+STREAMED_SERVER_ERROR = re.compile(
+    r'"type":\s*"(server_error|api_error|overloaded_error)"|"code":\s*"server_error"')
 
 
 @dataclass
@@ -108,7 +120,7 @@ def cheap(path: str, body):
     if not isinstance(body, dict):
         return body
     body = dict(body)
-    for field in ("max_tokens", "max_completion_tokens"):
+    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = _as_int(body.get(field))
         if value is not None and MAX_TOKENS < value < REJECTED_FROM:
             body[field] = MAX_TOKENS
@@ -116,9 +128,10 @@ def cheap(path: str, body):
     if n is not None and MAX_N < n <= MAX_SCHEMA_N:
         body["n"] = MAX_N
     limits = {COMPLETIONS_PATH: ("max_tokens",),
-              CHAT_PATH: ("max_tokens", "max_completion_tokens")}.get(path, ())
+              CHAT_PATH: ("max_tokens", "max_completion_tokens"),
+              RESPONSES_PATH: ("max_output_tokens",)}.get(path, ())
     if limits and all(body.get(field) is None for field in limits):
-        body["max_tokens"] = MAX_TOKENS
+        body[limits[-1]] = MAX_TOKENS
     return body
 
 
@@ -201,7 +214,7 @@ class Fuzzer:
                        str(response.status_code), response.text, offset)
             return
         if "event-stream" in response.headers.get("content-type", [""])[0] and \
-                re.search(r'"type":\s*"server_error"', response.text):
+                STREAMED_SERVER_ERROR.search(response.text):
             # A stream's status is sent before generation starts: a server error mid-stream is
             # an event.
             self._fail(case, request.headers.get("Content-Type", ""), request.body,
@@ -220,22 +233,32 @@ class Fuzzer:
         return [sorted(group, key=lambda f: len(f.body)) for group in kinds.values()]
 
 
+class _OutOfTime(Exception):
+    """Ends a random phase at its deadline (drawing the cases it would skip takes time too)."""
+
+
 def fuzz_randomly(fuzzer: Fuzzer, operation, mode: GenerationMode) -> None:
-    """Up to RANDOM_EXAMPLES random cases of `operation` in `mode`. Hypothesis only draws them:
-    the test body never raises, so there is no shrinking and nothing stored in a database."""
+    """Up to RANDOM_EXAMPLES random cases of `operation` in `mode`, until the fuzzer's
+    deadline. Hypothesis only draws them: the test body raises only to stop, and there is no
+    shrinking and nothing stored in a database."""
 
     @hypothesis.settings(max_examples=RANDOM_EXAMPLES, deadline=None, database=None,
                          phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
     def run(case) -> None:
+        if fuzzer.out_of_time():
+            raise _OutOfTime
         fuzzer.send(case)
 
-    run()
+    try:
+        run()
+    except _OutOfTime:
+        fuzzer.skipped += 1
 
 
 def share(operation, mode: GenerationMode) -> int:
     """The random phase's time weight of `operation` in `mode` (see GENERATING_SHARE)."""
-    generating = operation.path in (COMPLETIONS_PATH, CHAT_PATH)
+    generating = operation.path in GENERATING_PATHS
     return GENERATING_SHARE if generating and mode == GenerationMode.POSITIVE else 1
 
 
@@ -246,18 +269,26 @@ def test_fuzz_never_a_server_error(server):
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.label for op in operations} >= {
         "GET /health", "GET /metrics", "GET /v1/models", "POST /tokenize", "POST /detokenize",
-        "POST /v1/completions", "POST /v1/chat/completions"}
+        "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/messages",
+        "POST /v1/messages/count_tokens", "POST /v1/responses",
+        "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}"}
     fuzzer = Fuzzer(server, FUZZ_BUDGET_S)
     start = time.monotonic()
 
     # Schemathesis' boundary cases: each field at its bounds and just past them, nulls, missing
-    # fields, wrong types, other content types, other HTTP methods.
-    for operation in operations:
+    # fields, wrong types, other content types, other HTTP methods. Each operation gets an
+    # equal share of BOUNDARY_SHARE of the budget (what a quick one leaves goes to the next).
+    end = start + FUZZ_BUDGET_S * BOUNDARY_SHARE
+    for i, operation in enumerate(operations):
+        fuzzer.deadline = time.monotonic() + (end - time.monotonic()) / (len(operations) - i)
         generation = schema.config.generation_for(operation=operation, phase="coverage")
         for case in schema.iter_coverage_cases(operation, generation_config=generation,
                                                generation_modes=list(GenerationMode)):
+            if fuzzer.out_of_time():
+                break  # drawing the rest would take time too
             fuzzer.send(case)
     boundary, boundary_s = fuzzer.sent, time.monotonic() - start
+    fuzzer.deadline = start + FUZZ_BUDGET_S
 
     # Random cases, valid and invalid (the schema states what the server checks, so most valid
     # ones reach the engine). Each operation and mode gets its share of the time left, the
@@ -274,8 +305,8 @@ def test_fuzz_never_a_server_error(server):
     elapsed = time.monotonic() - start
     distinct = fuzzer.distinct()
     print(f"\napi fuzz: {fuzzer.sent} requests ({boundary} boundary in {boundary_s:.0f} s, "
-          f"{fuzzer.sent - boundary} random) in {elapsed:.0f} s; not sent: {fuzzer.skipped} "
-          f"past the {FUZZ_BUDGET_S} s budget, {fuzzer.unencodable} unencodable; "
+          f"{fuzzer.sent - boundary} random) in {elapsed:.0f} s; random phases cut short by "
+          f"the {FUZZ_BUDGET_S} s budget: {fuzzer.skipped}, {fuzzer.unencodable} unencodable; "
           f"{len(fuzzer.failures)} 5xx or dropped ({len(distinct)} distinct)")
     for label in sorted({label for label, _ in fuzzer.statuses}):
         answers = sorted((status, n) for (op, status), n in fuzzer.statuses.items() if op == label)

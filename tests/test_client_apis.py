@@ -195,15 +195,27 @@ def test_responses_function_call_round_trip_and_parse(client, model):
     assert isinstance(parsed.output_parsed, City)
 
 
-@pytest.mark.parametrize("item,param", [
-    ({"type": "web_search_call", "id": "x"}, "input"),
-    ({"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}, "input"),
+USER = {"role": "user", "content": "x"}
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"input": [{"type": "web_search_call", "id": "x"}]}, "input", "web_search_call"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input", "content.0.type"),
+    ({"input": [USER] * 10_000}, "input", "at most"),  # more items than the context's tokens
+    ({"input": [USER] * 3_000}, "input", "does not fit"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "function"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x",
+                                        "schema": {"type": "nonsense"}}}}, "text", ""),
+    ({"input": "x", "metadata": [[[[]]]]}, "metadata", ""),
 ])
-def test_responses_refuse_unknown_items_naming_the_field(server, model, item, param):
-    answer = httpx.post(f"{server.base_url}/v1/responses",
+def test_hostile_responses_bodies_get_a_400_naming_the_field(server, model, body, param, words):
+    answer = httpx.post(f"{server.base_url}/v1/responses", timeout=60,
                         headers={"Authorization": f"Bearer {API_KEY}"},
-                        json={"model": model, "input": [item]})
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == param
+                        json={"model": model, "max_output_tokens": 1, **body})
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["param"] == param, answer.text
+    assert words in error["message"]
 
 
 def test_a_response_store_evicts_the_least_recently_used() -> None:

@@ -319,9 +319,12 @@ def bounded_models(limits: RequestLimits, max_context: int, served_model: str
     messages = create_model(
         "MessagesRequest", __base__=MessagesRequest,
         max_tokens=(int, Field(ge=1, le=max_context)),
+        messages=(Annotated[list[Message], Field(min_length=1, max_length=max_context)], ...),
         stop_sequences=(Annotated[list[stop], Field(max_length=limits.max_stop_strings)] | None,
                         None))
-    count_tokens = create_model("CountTokensRequest", __base__=CountTokensRequest)
+    count_tokens = create_model(
+        "CountTokensRequest", __base__=CountTokensRequest,
+        messages=(Annotated[list[Message], Field(min_length=1, max_length=max_context)], ...))
     for body in (messages, count_tokens):
         body.served_model = served_model
     return messages, count_tokens

@@ -316,13 +316,19 @@ def _no_response(response_id: str) -> APIError:
                          "deleted, or evicted)", "response_id", "not_found_error")
 
 
+# Parts of a validation error's location that name a union's option, not a field
+_UNION_OPTIONS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
 def _invalid(errors: list) -> APIError:
-    """A 400 naming the field of a body's most specific validation error (of a union's
-    options, the one that got furthest into the body)."""
-    first = max(errors, key=lambda error: len(error.get("loc", ())))
+    """A 400 naming the field of a body's most specific validation error: of a union's
+    options, the one that got furthest into the body, and not one of another type."""
+    first = max(errors, key=lambda error: (len(error.get("loc", ())),
+                                           not error.get("type", "").endswith("_type")))
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('msg')}")
-    fields = [str(part) for part in first.get("loc", ()) if part != "body"]
+    fields = [str(part) for part in first.get("loc", ()) if part != "body" and not (
+        isinstance(part, str) and ("[" in part or part in _UNION_OPTIONS))]
     param = fields[0] if fields else None
     where = ".".join(fields) or "body"
     return APIError(400, f"{where}: {first.get('msg')}", param)
