@@ -19,13 +19,15 @@ import torch
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A token's logprob, the `top` alternatives (token id, logprob), most likely first, and
-    the logprobs of the tokens a request named (`scored`, in its order)."""
+    """A token's logprob, the `top` alternatives (token id, logprob), most likely first, the
+    logprobs of the tokens a request named (`scored`, in its order), and the token's rank in
+    the vocabulary (1: the most likely)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
     scored: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass

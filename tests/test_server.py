@@ -20,6 +20,8 @@ from server_utils import braid_server, shm_segments_of
 
 from braid.cache import cache_root
 
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,"]
 # The shared server decodes speculatively (n-gram lookup): a prompt that repeats makes its
 # steps accept proposed tokens
@@ -112,6 +114,37 @@ def test_echo_logprobs_score_the_prompt(client, model):
     generated = logprobs.top_logprobs[-1]
     assert max(generated.values()) == pytest.approx(logprobs.token_logprobs[-1])
     assert logprobs.text_offset[1] == len(logprobs.tokens[0])
+
+
+def test_prompt_logprobs_rank_the_prompt_as_echo_scores_it(server, client, model):
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) its own and its top
+    alternatives' logprob, rank and text, in completions (each choice, streamed in its first
+    chunk) and chat (the response); the same logprobs as echo's."""
+    echo = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=1, echo=True,
+                                     logprobs=1, temperature=0).choices[0].logprobs
+    body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 1, "prompt_logprobs": 3}
+    whole = httpx.post(f"{server.base_url}/v1/completions", headers=AUTH, json=body).json()
+    scored = whole["choices"][0]["prompt_logprobs"]
+    ids = httpx.post(f"{server.base_url}/tokenize", headers=AUTH,
+                     json={"prompt": PROMPTS[0]}).json()["tokens"]
+    assert scored[0] is None and len(scored) == len(ids)
+    for token_id, expected, entry in zip(ids[1:], echo.token_logprobs[1:], scored[1:]):
+        own = entry[str(token_id)]
+        assert own["logprob"] == pytest.approx(expected, abs=1e-5)
+        top = sorted((e for e in entry.values() if e["rank"] <= 3), key=lambda e: e["rank"])
+        assert [e["rank"] for e in top] == [1, 2, 3]
+        assert own["rank"] == 1 + sum(e["logprob"] > own["logprob"] for e in top) or (
+            own["rank"] > 3 and own["logprob"] <= top[-1]["logprob"])
+        assert own["decoded_token"] == echo.tokens[ids.index(token_id)]
+    streamed = httpx.post(f"{server.base_url}/v1/completions", headers=AUTH,
+                          json={**body, "stream": True}).text
+    first = json.loads(streamed.split("data: ", 2)[1])
+    assert first["choices"][0]["prompt_logprobs"] == scored
+    chat = httpx.post(f"{server.base_url}/v1/chat/completions", headers=AUTH, json={
+        "model": model, "messages": [{"role": "user", "content": PROMPTS[0]}],
+        "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
 
 
 def test_echo_logprobs_of_a_long_prompt_under_two_batch_overlap(client, model):

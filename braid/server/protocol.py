@@ -198,6 +198,7 @@ class SamplingFields(RequestBody):
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None \
         = None  # token id (as a string) -> added to its logit
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     # Constraints on the output: OpenAI's, vLLM's (and its older guided_*), SGLang's
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -243,7 +244,8 @@ class SamplingFields(RequestBody):
 
     def sampling_params(self, max_new_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
-        """The engine's parameters (OpenAI's defaults where a field is absent)."""
+        """The engine's parameters (OpenAI's defaults where a field is absent); the prompt
+        is scored for `prompt_logprobs` alternatives or the request's, whichever is more."""
         bias = {}
         for key, value in (self.logit_bias or {}).items():
             if not key.isascii() or not key.isdigit():
@@ -265,7 +267,8 @@ class SamplingFields(RequestBody):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=max((k for k in (prompt_logprobs, self.prompt_logprobs)
+                                 if k is not None), default=None),
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=bias,
             cache_salt=self.cache_salt,
@@ -501,7 +504,7 @@ _NOT_IMPLEMENTED: dict[str, tuple] = {
     "web_search_options": (None,), "modalities": (None, ["text"]),
     "truncate_prompt_tokens": (None,), "lora_path": (None,), "reasoning_effort": (None,),
     "include_stop_str_in_output": (None, False), "allowed_token_ids": (None,),
-    "bad_words": (None, []), "prompt_logprobs": (None,), "logits_processors": (None,),
+    "bad_words": (None, []), "logits_processors": (None,),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
     "chat_template": (None,), "chat_template_kwargs": (None, {}), "no_stop_trim": (None, False),
     "stop_regex": (None,), "echo": (None, False),  # echo: chat's (completions implement it)

@@ -97,6 +97,26 @@ class _Responder:
     def usage(self) -> dict:
         return usage(self.runs, self.report_cached)
 
+    def prompt_logprobs(self, run: PromptRun) -> dict:
+        """vLLM's `prompt_logprobs` of a prompt where the request asks for them (else {}):
+        None for the first token, then by token id the token's own and its top alternatives'
+        logprob, vocabulary rank and text."""
+        k = self.request.prompt_logprobs
+        if k is None:
+            return {}
+        scored = []
+        for token_id, entry in zip(run.prompt_ids, run.prompt_logprobs or []):
+            if entry is None:
+                scored.append(None)
+                continue
+            ranked = {token_id: (entry.logprob, entry.rank)}
+            for rank, (other, logprob) in enumerate(entry.top[:k], start=1):
+                ranked.setdefault(other, (logprob, rank))
+            scored.append({str(t): {"logprob": lp, "rank": rank,
+                                    "decoded_token": self.token_text(t)}
+                           for t, (lp, rank) in ranked.items()})
+        return {"prompt_logprobs": scored}
+
     def error_chunk(self, event: TextEvent) -> dict | None:
         state = event.state
         if state.finish_reason == "error":  # the request's own fault (invalid) or the server's
@@ -133,7 +153,8 @@ class CompletionResponder(_Responder):
                     logprobs = self._with_echo(self._echoed(run), list(state.logprobs), 0)
                 choices.append({"index": self.choice_index(i, state), "text": text,
                                 "logprobs": logprobs, "finish_reason": state.finish_reason,
-                                "stop_reason": state.stop_reason})
+                                "stop_reason": state.stop_reason,
+                                **self.prompt_logprobs(run)})
         return self.envelope(choices, usage=self.usage())
 
     async def chunks(self, events: AsyncIterator[TextEvent]) -> AsyncIterator[dict]:
@@ -147,14 +168,16 @@ class CompletionResponder(_Responder):
             index = self.choice_index(event.prompt_index, event.state)
             text = event.text
             entries = pending.setdefault(index, [])
-            if index not in offsets:  # the first chunk of a choice carries the echo
+            scored = {}
+            if index not in offsets:  # the first chunk of a choice carries the prompt's
                 offsets[index] = 0
+                scored = self.prompt_logprobs(event.run)
                 if self.request.echo:
                     text = self.prompt_texts[event.prompt_index] + text
                     echo_due.add(index)
             entries += event.logprobs
             finish = event.state.finish_reason
-            if not text and finish is None:
+            if not text and finish is None and not scored:
                 continue
             logprobs = None
             if self.request.logprobs is not None:
@@ -165,7 +188,8 @@ class CompletionResponder(_Responder):
             pending[index] = []
             yield self.envelope([{"index": index, "text": text, "logprobs": logprobs,
                                   "finish_reason": finish,
-                                  "stop_reason": event.state.stop_reason if finish else None}])
+                                  "stop_reason": event.state.stop_reason if finish else None,
+                                  **scored}])
         if self.include_usage():
             yield self.envelope([], usage=self.usage())
 
@@ -207,7 +231,8 @@ class CompletionResponder(_Responder):
                 out["top_logprobs"].append(None)
                 continue
             out["token_logprobs"].append(entry.logprob)
-            top = {self.token_text(t): lp for t, lp in entry.top}
+            # a prompt scored for prompt_logprobs may have more alternatives than asked here
+            top = {self.token_text(t): lp for t, lp in entry.top[:self.request.logprobs]}
             top.setdefault(token, entry.logprob)
             out["top_logprobs"].append(top)
         return out
@@ -235,7 +260,7 @@ class ChatResponder(_Responder):
                 "logprobs": self._logprobs(state.logprobs) if self.request.logprobs else None,
                 "finish_reason": self.tools.finish_reason(state.finish_reason, bool(calls)),
                 "stop_reason": state.stop_reason})
-        return self.envelope(choices, usage=self.usage())
+        return self.envelope(choices, usage=self.usage(), **self.prompt_logprobs(self.runs[0]))
 
     async def chunks(self, events: AsyncIterator[TextEvent]) -> AsyncIterator[dict]:
         choices: dict[int, ChoiceTools] = {}
@@ -249,7 +274,8 @@ class ChatResponder(_Responder):
                 choices[index] = self.tools.choice()
                 yield self.envelope([{"index": index, "delta": {"role": "assistant",
                                                                 "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
+                                      "logprobs": None, "finish_reason": None}],
+                                    **self.prompt_logprobs(event.run))
             entries = pending.setdefault(index, [])
             entries += event.logprobs
             finish = event.state.finish_reason

@@ -61,6 +61,7 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int], num_logprobs,
     scored_ids = scored_ids or [()] * len(counts)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     picked = logprobs.gather(1, torch.tensor(chosen, device=logits.device)[:, None])[:, 0]
+    ranks = ((logprobs > picked[:, None]).sum(dim=-1) + 1).tolist()
     top_k = max(counts, default=0)
     top_values, top_ids = (logprobs.topk(top_k, dim=-1) if top_k > 0
                            else (logprobs[:, :0], logprobs[:, :0].long()))
@@ -79,7 +80,7 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int], num_logprobs,
             errors[row] = request_failure("scoring the requested token ids", e)
             entries.append(None)
             continue
-        entries.append(TokenLogprob(chosen[row], picked[row], top, scored))
+        entries.append(TokenLogprob(chosen[row], picked[row], top, scored, ranks[row]))
     return entries
 
 
