@@ -119,6 +119,11 @@ def test_messages_errors_take_anthropics_shape(server, claude, model):
     answer = httpx.post(f"{server.base_url}/v1/messages", headers={"x-api-key": API_KEY},
                         json={"model": model, "messages": [{"role": "user", "content": "x"}]})
     assert answer.status_code == 400 and "max_tokens" in answer.json()["error"]["message"]
+    # SmolLM2 does not reason: thinking is refused by name
+    with pytest.raises(anthropic.BadRequestError, match="thinking needs a reasoning model"):
+        claude.messages.create(model=model, max_tokens=8, messages=[{"role": "user",
+                                                                     "content": "x"}],
+                               thinking={"type": "enabled", "budget_tokens": 1024})
     answer = httpx.post(f"{server.base_url}/v1/messages", headers={"x-api-key": "wrong"},
                         json={"model": model, "max_tokens": 1, "messages": []})
     assert answer.status_code == 401

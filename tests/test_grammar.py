@@ -95,6 +95,31 @@ def test_masked_sampling_only_makes_what_the_grammar_allows(grammars, tokenizer,
     assert choice in ("red", "green", "blue sky")
 
 
+def accepts(grammars, tokenizer, structured: StructuredOutputs, text: str) -> bool:
+    """Whether the grammar takes `text` (tokenized as one piece) to its end."""
+    matcher = grammars.matcher(structured)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+
+def test_a_constraint_after_reasoning_leaves_the_think_block_free(grammars, tokenizer):
+    """With a reasoning model, a schema constrains the answer after `</think>`: any text
+    before it (from inside a block the prompt opened, or one the output opens), not after."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    inside = StructuredOutputs(json=schema, reasoning="inside")
+    assert accepts(grammars, tokenizer, inside, 'Let me see: {"a" is it?\n</think>{"a": 1}')
+    assert not accepts(grammars, tokenizer, inside, '{"a": 1}')  # the block must end first
+    assert not accepts(grammars, tokenizer, inside, 'hm</think>{"a": 1} and more')
+    opens = StructuredOutputs(json=schema, reasoning="opens")
+    assert accepts(grammars, tokenizer, opens, '<think>free text</think>{"a": 2}')
+    assert accepts(grammars, tokenizer, opens, '{"a": 2}')  # no reasoning at all
+    assert not accepts(grammars, tokenizer, opens, 'free text{"a": 2}')
+    choice = StructuredOutputs(choice=["yes", "no"], reasoning="inside")
+    assert accepts(grammars, tokenizer, choice, "why not</think>yes")
+    assert StructuredOutputs(json=schema).describes_answer
+    assert not StructuredOutputs(regex="a+").describes_answer
+
+
 @pytest.mark.parametrize("vocab", [64, 1000, 49152])
 def test_the_mask_operator_agrees_with_the_unpacked_mask(vocab):
     """braid's operator (contiguous fp32 on CPU) and the path other devices take (here: made

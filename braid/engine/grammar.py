@@ -46,6 +46,10 @@ class StructuredOutputs:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     source: str = "structured_outputs"
+    # Where the output reasons first (a reasoning model's `<think>` block): "inside" (the
+    # prompt opened the block) or "opens" (the output may open one); the constraint then
+    # applies to the answer after `</think>` (None: to the whole output)
+    reasoning: str | None = None
     compiled: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -56,7 +60,17 @@ class StructuredOutputs:
         if len(given) != 1:
             raise UserError(f"{self.source}: give exactly one constraint, got "
                             f"{', '.join(given) or 'none'}", self.source)
-        object.__setattr__(self, "compiled", self._to_grammar(given[0]))
+        grammar = self._to_grammar(given[0])
+        if self.reasoning is not None:
+            grammar = after_reasoning(grammar, self.reasoning)
+        object.__setattr__(self, "compiled", grammar)
+
+    @property
+    def describes_answer(self) -> bool:
+        """Whether the constraint describes the answer alone (a schema, a JSON object, a
+        choice), not the raw output (a regular expression or a grammar, which a client writes
+        knowing the output's text, think block and all)."""
+        return self.regex is None and self.grammar is None
 
     def _to_grammar(self, kind: str) -> str:
         from llguidance import LLMatcher, grammar_from
@@ -83,6 +97,22 @@ class StructuredOutputs:
             # constraint's own fault: the request fails, not the server
             raise UserError(f"{self.source}: invalid {kind}: {e}", self.source) from None
         return grammar
+
+
+def after_reasoning(grammar: str, reasoning: str) -> str:
+    """`grammar` (llguidance's: Lark text, or its JSON list of grammars) applied after a
+    reasoning block: any text up to the first `</think>` (lazy, so the block ends there),
+    opened by `<think>` where the output may open it ("opens"; or go straight to the
+    answer), or already open ("inside")."""
+    if grammar.lstrip().startswith("{"):
+        grammars = json.loads(grammar)["grammars"]
+    else:
+        grammars = [{"lark_grammar": grammar}]
+    grammars[0]["name"] = "answer"
+    head = ('start: /[ \\n]*/ "<think>" thought @answer | @answer' if reasoning == "opens"
+            else "start: thought @answer")
+    lark = f"{head}\nthought[lazy]: /(?s:.*)<\\/think>/"
+    return json.dumps({"grammars": [{"name": "reasoning", "lark_grammar": lark}, *grammars]})
 
 
 # Keywords whose value is a subschema, a list of them, or a map of names to them. Not allOf:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, create_model
 
 from braid.errors import UserError
-from braid.server.chat_tools import OutputBlocks, ToolOutput
+from braid.server.chat_tools import BlockEvent, OutputBlocks, ToolOutput
 from braid.server.generation import PromptRun, TextEvent
 from braid.server.protocol import NonEmptyStr, OpenAIModel, RequestBody, RequestLimits
 from braid.server.tool_calls import ToolCall
@@ -119,6 +119,9 @@ class ToolChoice(OpenAIModel):
 
 
 class Thinking(OpenAIModel):
+    """Whether the model thinks (where its template can turn thinking on and off; braid does
+    not bound the thinking's length: `budget_tokens` is accepted and has no effect)."""
+
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
 
@@ -158,11 +161,13 @@ class CountTokensRequest(RequestBody):
         if cls.served_model is not None:  # required here
             schema["properties"]["model"] = {"const": cls.served_model, "title": "Model"}
 
+    @property
+    def thinks(self) -> bool:
+        """Whether the request asks for thinking."""
+        return self.thinking is not None and self.thinking.type != "disabled"
+
     def chat_request(self) -> dict:
         """The fields of the chat completion request of the same conversation."""
-        if self.thinking is not None and self.thinking.type != "disabled":
-            raise UserError("thinking is not supported by braid yet: leave it out or "
-                            "disable it", "thinking")
         messages = []
         if self.system is not None:
             system = (self.system if isinstance(self.system, str)
@@ -171,6 +176,8 @@ class CountTokensRequest(RequestBody):
         for message in self.messages:
             messages += message.chat_messages()
         chat: dict = {"messages": messages}
+        if self.thinking is not None:  # the switch of Qwen3's template, as vLLM passes it
+            chat["chat_template_kwargs"] = {"enable_thinking": self.thinks}
         if self.tools:
             chat["tools"] = [{"type": "function", "function": {
                 "name": tool.name, "description": tool.description,
@@ -263,8 +270,9 @@ class MessagesResponder:
                 "stop_sequence": stop[1], "usage": usage}
 
     def response(self) -> dict:
-        content, calls = self.tools.message(self.run.completions[0].text)
-        blocks = [{"type": "text", "text": content}] if content else []
+        reasoning, content, calls = self.tools.read(self.run.completions[0].text)
+        blocks = [_thinking(reasoning)] if reasoning else []
+        blocks += [{"type": "text", "text": content}] if content else []
         for call in calls:
             try:
                 blocks.append(_tool_use(call, json.loads(call.arguments)))
@@ -298,17 +306,24 @@ class MessagesResponder:
                "usage": self.usage()}
         yield {"type": "message_stop"}
 
-    def _block_event(self, step) -> dict:
+    def _block_event(self, step: BlockEvent) -> dict:
         if step.kind == "start":
-            block = ({"type": "text", "text": ""} if step.block == "text" else
-                     {"type": "tool_use", "id": _tool_use_id(step.call_id), "name": step.name,
-                      "input": {}})
+            block = {"reasoning": _thinking(""), "text": {"type": "text", "text": ""}}.get(
+                step.block) or {"type": "tool_use", "id": _tool_use_id(step.call_id),
+                                "name": step.name, "input": {}}
             return {"type": "content_block_start", "index": step.index, "content_block": block}
         if step.kind == "delta":
-            delta = ({"type": "text_delta", "text": step.text} if step.block == "text" else
-                     {"type": "input_json_delta", "partial_json": step.text})
-            return {"type": "content_block_delta", "index": step.index, "delta": delta}
+            delta = {"reasoning": {"type": "thinking_delta", "thinking": step.text},
+                     "text": {"type": "text_delta", "text": step.text},
+                     "call": {"type": "input_json_delta", "partial_json": step.text}}
+            return {"type": "content_block_delta", "index": step.index,
+                    "delta": delta[step.block]}
         return {"type": "content_block_stop", "index": step.index}
+
+
+def _thinking(text: str) -> dict:
+    """A thinking block (no signature: braid's reasoning is not signed)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def bounded_models(limits: RequestLimits, max_context: int, served_model: str

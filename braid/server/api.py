@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -45,11 +45,13 @@ from braid.server.protocol import (
     error_body,
     unsupported_field,
 )
+from braid.server.reasoning import ThinkParser
 from braid.server.responses import ChatResponder, CompletionResponder, sse
 from braid.server.responses_api import ResponsesRequest, ResponsesResponder, ResponseStore
 from braid.server.tool_calls import ToolCallParser
 
 DISCONNECT_POLL_S = 0.5
+PROMPT_TAIL_TOKENS = 16  # where a prompt may have opened a think block
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # no key needed, unless --api-key-all-routes
 RETRY_AFTER_S = 1  # a full queue drains at the engine's pace: ask again soon
 
@@ -71,6 +73,7 @@ class ServerContext:
     limits: RequestLimits = field(default_factory=RequestLimits)
     report_cached_tokens: bool = True  # usage.prompt_tokens_details.cached_tokens
     tool_parser: ToolCallParser | None = None  # reads tool_choice "auto" outputs
+    reasoning_parser: ThinkParser | None = None  # splits reasoning from the answer
     response_store: ResponseStore = field(default_factory=lambda: ResponseStore(256))
     created: int = 0
 
@@ -186,7 +189,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of `prompt` and `messages`", "prompt")
         if body.messages is not None:
-            ids = _chat_prompt(ctx.tokenizer, body.messages)
+            ids = _chat_prompt(ctx.tokenizer, body.messages, None, body.chat_template_kwargs)
         else:
             ids = _tokenize(ctx.tokenizer, body.prompt, "prompt", body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
@@ -219,15 +222,25 @@ def build_app(ctx: ServerContext) -> FastAPI:
         """A checked chat request's run (ids `{prefix}-...`) and how its text is read."""
         check_fields(body)
         check_capacity(body.n)
-        tools = _tool_output(body, ctx.tool_parser)
         ids = _chat_prompt(ctx.tokenizer, body.messages,
-                           body.tool_dicts() if tools.mode != "none" else None)
+                           body.tool_dicts() if body.tool_mode != "none" else None,
+                           body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens or body.max_tokens or _room(ctx, len(ids))
         top = body.top_logprobs
         if top is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
         params = body.sampling_params(max_tokens, (top or 0) if body.logprobs else None, None)
+        parser, in_reasoning = ctx.reasoning_parser, False
+        if parser is not None:
+            # A constraint on the answer lets the reasoning before it be free
+            state = parser.prompt_state(ctx.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]))
+            in_reasoning = state == "inside"
+            structured = params.structured
+            if structured is not None and structured.describes_answer and state != "closed":
+                params = replace(params, structured=replace(
+                    structured, reasoning="inside" if in_reasoning else "opens"))
         _check(ids, params, ctx, "messages")
+        tools = _tool_output(body, ctx.tool_parser, parser, in_reasoning)
         return make_runs(f"{prefix}-{secrets.token_hex(12)}", [ids], params,
                          ctx.tokenizer), tools
 
@@ -242,6 +255,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @post("/v1/messages", messages_model)
     async def messages(body: MessagesRequest, raw: Request) -> Response:
+        if body.thinks and ctx.reasoning_parser is None:
+            raise APIError(400, "thinking needs a reasoning model: this server reads no "
+                                "reasoning from its output (--reasoning-parser)", "thinking")
         with _named_as(body.chat_names):
             runs, tools = chat_runs(as_chat(body), "msg")
         response = MessagesResponder(ctx.model_name, runs[0], tools, ctx.report_cached_tokens)
@@ -252,9 +268,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
         with _named_as(body.chat_names):
             chat = as_chat(body)
             check_fields(chat)
-            tools = _tool_output(chat, ctx.tool_parser)
             ids = _chat_prompt(ctx.tokenizer, chat.messages,
-                               chat.tool_dicts() if tools.mode != "none" else None)
+                               chat.tool_dicts() if chat.tool_mode != "none" else None,
+                               chat.chat_template_kwargs)
         return {"input_tokens": len(ids)}
 
     @post("/v1/responses", responses_model)
@@ -408,7 +424,8 @@ def _tokenize(tokenizer, text: str, field: str, add_special_tokens: bool = True)
         raise APIError(400, f"{field} cannot be tokenized: {e}", field) from None
 
 
-def _tool_output(body: ChatCompletionRequest, parser: ToolCallParser | None) -> ToolOutput:
+def _tool_output(body: ChatCompletionRequest, parser: ToolCallParser | None,
+                 reasoning: ThinkParser | None, in_reasoning: bool) -> ToolOutput:
     """How the request's choices are read (400 for "auto" tool calls without a parser)."""
     mode = body.tool_mode
     if mode == "auto" and parser is None:
@@ -417,13 +434,14 @@ def _tool_output(body: ChatCompletionRequest, parser: ToolCallParser | None) -> 
                             "--tool-call-parser (and --chat-template), or send tool_choice "
                             "required, none or a named function", "tool_choice")
     name = body.tool_choice.function.name if mode == "named" else None
-    return ToolOutput(mode, parser, name, single=body.parallel_tool_calls is False)
+    return ToolOutput(mode, parser, name, single=body.parallel_tool_calls is False,
+                      reasoning=reasoning, in_reasoning=in_reasoning)
 
 
-def _chat_prompt(tokenizer, messages: list[ChatMessage],
-                 tools: list[dict] | None = None) -> list[int]:
+def _chat_prompt(tokenizer, messages: list[ChatMessage], tools: list[dict] | None = None,
+                 template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a conversation (and the tools it offers) through the model's chat
-    template."""
+    template, given `template_kwargs` beside (`enable_thinking`, say)."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
     conversation = []
@@ -437,7 +455,8 @@ def _chat_prompt(tokenizer, messages: list[ChatMessage],
         conversation.append(entry)
     try:
         ids = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True, tools=tools or None)
+            conversation, add_generation_prompt=True, tokenize=True, tools=tools or None,
+            **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - a template's own complaint about the messages
         raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from e
     if hasattr(ids, "keys"):

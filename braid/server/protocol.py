@@ -13,7 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, create_model
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    create_model,
+)
 
 from braid import settings
 from braid.engine.grammar import StructuredOutputs
@@ -335,6 +342,25 @@ class NamedToolChoice(OpenAIModel):
     function: FunctionName
 
 
+# apply_chat_template's own arguments, which a request's template variables may not replace
+_TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template",
+                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                       "truncation", "max_length", "return_tensors", "return_dict",
+                       "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def _template_variables(value: dict) -> dict:
+    taken = [name for name in value if name in _TEMPLATE_ARGUMENTS]
+    if taken:
+        raise ValueError(f"{taken[0]!r} is not a template variable a request may set")
+    return value
+
+
+# Variables for the chat template (vLLM's `chat_template_kwargs`: `enable_thinking`, say)
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_template_variables),
+                           Field(max_length=64)]
+
+
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`."""
 
@@ -347,6 +373,7 @@ class ChatCompletionRequest(SamplingFields):
     # OpenAI's default: "auto" with tools, "none" without
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
 
     # tool_choice "required" or a named function constrains the output too (the schema is
     # stricter: any tool_choice excludes the other constraints)
@@ -413,6 +440,7 @@ class TokenizeRequest(RequestBody):
     prompt: str = Field(None, min_length=1)  # None: not given (null is refused)
     messages: list[ChatMessage] = Field(None, min_length=1)
     add_special_tokens: bool = True
+    chat_template_kwargs: TemplateKwargs | None = None
 
     @classmethod
     def publish(cls, schema: dict) -> None:
@@ -506,7 +534,7 @@ _NOT_IMPLEMENTED: dict[str, tuple] = {
     "include_stop_str_in_output": (None, False), "allowed_token_ids": (None,),
     "bad_words": (None, []), "logits_processors": (None,),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
-    "chat_template": (None,), "chat_template_kwargs": (None, {}), "no_stop_trim": (None, False),
+    "chat_template": (None,), "no_stop_trim": (None, False),
     "stop_regex": (None,), "echo": (None, False),  # echo: chat's (completions implement it)
 }
 

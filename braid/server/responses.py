@@ -251,8 +251,10 @@ class ChatResponder(_Responder):
     def response(self) -> dict:
         choices = []
         for state in self.runs[0].completions:
-            content, calls = self.tools.message(state.text)
+            reasoning, content, calls = self.tools.read(state.text)
             message = {"role": "assistant", "content": content}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             if calls:
                 message["tool_calls"] = [call.to_openai() for call in calls]
             choices.append({
@@ -279,14 +281,17 @@ class ChatResponder(_Responder):
             entries = pending.setdefault(index, [])
             entries += event.logprobs
             finish = event.state.finish_reason
-            content, calls = choices[index].feed(event.text)
+            reasoning, content, calls = choices[index].feed(event.text)
             if finish is not None:
-                more_content, more_calls = choices[index].finish()
-                content, calls = content + more_content, calls + more_calls
-            if not content and not calls and finish is None:
+                more_reasoning, more_content, more_calls = choices[index].finish()
+                reasoning, content, calls = (reasoning + more_reasoning, content + more_content,
+                                             calls + more_calls)
+            if not reasoning and not content and not calls and finish is None:
                 continue
             pending[index] = []
-            delta: dict = {"content": content} if content else {}
+            delta: dict = {"reasoning_content": reasoning} if reasoning else {}
+            if content:
+                delta["content"] = content
             if calls:
                 delta["tool_calls"] = calls
             yield self.envelope([{

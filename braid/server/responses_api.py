@@ -289,8 +289,9 @@ class ResponsesResponder:
         return response
 
     def response(self) -> dict:
-        content, calls = self.tools.message(self.run.completions[0].text)
-        output = [_message_item(_new_id("msg"), content)] if content else []
+        reasoning, content, calls = self.tools.read(self.run.completions[0].text)
+        output = [_reasoning_item(_new_id("rs"), reasoning)] if reasoning else []
+        output += [_message_item(_new_id("msg"), content)] if content else []
         output += [_call_item(_new_id("fc"), call.id, call.name, call.arguments)
                    for call in calls]
         return self.finished(output)
@@ -332,8 +333,10 @@ class ResponsesResponder:
         """The events of one step of the output blocks; `output` holds the items so far."""
         index = step.index
         if step.kind == "start":
-            output.append(_message_item(_new_id("msg"), "") if step.block == "text" else
-                          _call_item(_new_id("fc"), step.call_id, step.name, ""))
+            output.append({"reasoning": lambda: _reasoning_item(_new_id("rs"), ""),
+                           "text": lambda: _message_item(_new_id("msg"), ""),
+                           "call": lambda: _call_item(_new_id("fc"), step.call_id, step.name,
+                                                      "")}[step.block]())
             item = output[index]
             item["status"] = "in_progress"
             added = _copy(item)
@@ -347,17 +350,23 @@ class ResponsesResponder:
                                           part=dict(item["content"][0])))
             return events
         item = output[index]
-        if step.kind == "delta" and step.block == "text":
+        kind = {"reasoning": "reasoning_text", "text": "output_text"}.get(step.block)
+        if step.kind == "delta" and kind is not None:
             item["content"][0]["text"] += step.text
-            return [self._event("response.output_text.delta", item_id=item["id"],
+            extra = {"logprobs": []} if step.block == "text" else {}
+            return [self._event(f"response.{kind}.delta", item_id=item["id"],
                                 output_index=index, content_index=0, delta=step.text,
-                                logprobs=[])]
+                                **extra)]
         if step.kind == "delta":
             item["arguments"] += step.text
             return [self._event("response.function_call_arguments.delta", item_id=item["id"],
                                 output_index=index, delta=step.text)]
         item["status"] = self.status()
-        if step.block == "text":
+        if step.block == "reasoning":
+            events = [self._event("response.reasoning_text.done", item_id=item["id"],
+                                  output_index=index, content_index=0,
+                                  text=item["content"][0]["text"])]
+        elif step.block == "text":
             part = item["content"][0]
             events = [self._event("response.output_text.done", item_id=item["id"],
                                   output_index=index, content_index=0, text=part["text"],
@@ -382,6 +391,11 @@ def _message_item(item_id: str, text: str) -> dict:
     return {"type": "message", "id": item_id, "status": "completed", "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [],
                          "logprobs": []}]}
+
+
+def _reasoning_item(item_id: str, text: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "status": "completed", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str) -> dict:

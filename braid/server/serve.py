@@ -23,6 +23,7 @@ import uvicorn
 from braid.config import EngineConfig
 from braid.loader.model_config import check_model_path
 from braid.loader.tokenizer import eos_token_ids, load_tokenizer
+from braid.server import reasoning
 from braid.server.api import ServerContext, build_app
 from braid.server.async_engine import AsyncEngine
 from braid.server.metrics import Metrics
@@ -108,6 +109,8 @@ def run_server(config: EngineConfig, settings: ServeSettings) -> int:
             limits=settings.limits, report_cached_tokens=settings.report_cached_tokens,
             tool_parser=parser_for(settings.tool_call_parser,
                                    getattr(tokenizer, "chat_template", None)),
+            reasoning_parser=reasoning.parser_for(settings.reasoning_parser,
+                                                  getattr(tokenizer, "chat_template", None)),
             response_store=ResponseStore(settings.responses_store_size),
             created=int(time.time()))
         metrics.queued.set_function(lambda: engine.queued_sequences)

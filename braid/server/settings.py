@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from braid import settings
 from braid.errors import UserError
 from braid.server.protocol import RequestLimits
+from braid.server.reasoning import REASONING_PARSERS
 from braid.server.tool_calls import TOOL_CALL_PARSERS
 from braid.settings import read_text, setting
 
@@ -36,6 +37,10 @@ class ServeSettings:
     tool_call_parser: str = setting(
         "auto", "how tool calls are read from the output of tool_choice auto (auto: from the "
         "chat template's markers)", choices=("auto", "none", *TOOL_CALL_PARSERS))
+    reasoning_parser: str = setting(
+        "auto", "how a reasoning model's <think>...</think> is split from its answer into "
+        "reasoning_content (auto: where the chat template shows the markers)",
+        choices=("auto", "none", *REASONING_PARSERS))
     responses_store_size: int = setting(
         256, "most /v1/responses answers kept for previous_response_id and GET (in memory, "
         "the least recently used evicted; 0: none kept)", metavar="N", at_least=0)

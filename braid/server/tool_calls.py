@@ -98,7 +98,7 @@ class ToolCallParser(ABC):
         return (None if calls and not content.strip() else content), calls
 
 
-def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
+def held_suffix(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest end of `text` that a marker begins with (a partial match)."""
     for size in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
         if any(marker.startswith(text[-size:]) for marker in markers):
@@ -173,7 +173,7 @@ class _MarkerStream(ToolCallStream):
                 continue
             found = [(at, m) for m in self._markers if (at := self._buffer.find(m)) >= 0]
             if not found:
-                keep = len(self._buffer) - _held_suffix(self._buffer, self._markers)
+                keep = len(self._buffer) - held_suffix(self._buffer, self._markers)
                 out.append(self._content(self._buffer[:keep]))
                 self._buffer = self._buffer[keep:]
                 break
