@@ -105,6 +105,8 @@ class StepPlan:
     sample_rows: np.ndarray | None = None  # [S] int64 indices into the logit rows
     sampling: SamplingBatch | None = None
     prompt_logprobs: PromptLogprobRows | None = None
+    # Embeddings: [P, 2] token ranges [start, end) whose final hidden states are summed
+    pool_segments: np.ndarray | None = None
     step_id: int = 0  # rank 0's answer carries it back
     return_logits: bool = False  # send the fp32 logits of the logit rows back (validation)
     mode: StepMode = field(default_factory=StepMode)
@@ -132,6 +134,7 @@ class StepResult:
     logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     logits: torch.Tensor | None = None
+    pooled: np.ndarray | None = None  # [P, hidden] fp32: the sums of the plan's pool segments
     path: str = "eager"
     grammar_wait_s: float = 0.0  # how long rank 0 waited for the grammar mask
 
@@ -166,6 +169,7 @@ class SequenceDelta:
     param: str | None = None  # where invalid: the request field at fault, if one is
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    embedding: np.ndarray | None = None  # a pooling request's vector (fp32, not normalised)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ class SequenceRows:
     prompt_start: int
     prompt_count: int
     num_sample_rows: int = 1
+    pool_row: int | None = None  # an embedding's pool segment in this step
+    pool_final: bool = False  # ... the last one: the embedding is complete
 
 
 def _attention_rows(seq: Sequence) -> list[tuple[int, int]]:
@@ -72,6 +74,7 @@ def build_plan(batch: list[Sequence], block_size: int,
     sampled: list[tuple[Sequence, int]] = []  # (sequence, how many draft tokens precede)
     sample_rows: list[int] = []
     scored: list[tuple[int, int, int]] = []  # (logit row, target token, alternatives)
+    pooled: list[tuple[int, int]] = []  # token ranges whose hidden states are summed
     layout = []
     offset = 0
     for seq in batch:
@@ -85,16 +88,22 @@ def build_plan(batch: list[Sequence], block_size: int,
                 scored.append((len(logit_rows), seq.prompt_ids[pos + 1],
                                seq.params.prompt_logprobs))
                 logit_rows.append(offset + pos - start)
-        sample_row = None
+        sample_row = pool_row = None
         verified = len(seq.draft) + 1
-        if end == seq.num_tokens + len(seq.draft):  # the step yields the sequence's next token
+        final = end == seq.num_tokens + len(seq.draft)  # the step yields the next token
+        if seq.params.pooling is not None:  # an embedding: its rows pooled, none sampled
+            if seq.params.pooling == "mean" or final:
+                pool_row = len(pooled)
+                pooled.append((offset if seq.params.pooling == "mean" else offset + end
+                               - start - 1, offset + end - start))
+        elif final:
             sample_row = len(sampled)
             for j in range(verified):
                 sampled.append((seq, j))
                 sample_rows.append(len(logit_rows))
                 logit_rows.append(offset + end - verified + j - start)
         layout.append(SequenceRows(sample_row, prompt_start, len(scored) - prompt_start,
-                                   verified))
+                                   verified, pool_row, pool_row is not None and final))
         offset += seq.scheduled_tokens
 
     prompt_logprobs = None
@@ -105,7 +114,8 @@ def build_plan(batch: list[Sequence], block_size: int,
                     logit_rows=np.array(logit_rows, dtype=np.int64),
                     sample_rows=np.array(sample_rows, dtype=np.int64),
                     sampling=sampling_batch(sampled) if sampled else None,
-                    prompt_logprobs=prompt_logprobs, step_id=step_id)
+                    prompt_logprobs=prompt_logprobs, step_id=step_id,
+                    pool_segments=np.array(pooled, dtype=np.int64) if pooled else None)
     return plan, layout
 
 

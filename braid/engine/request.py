@@ -7,6 +7,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from braid.engine.grammar import StructuredOutputs
 from braid.errors import UserError
 from braid.loader.model_config import ModelConfig
@@ -23,6 +25,7 @@ _TOP_K_NO_LIMIT = 1 << 31  # top_k beyond any vocabulary: no limit (kept in an i
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 1e4
 REPETITION_PENALTY_RANGE = (1e-4, 1e4)
+POOLINGS = (None, "last", "mean")  # how an embedding pools the prompt's hidden states
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
     structured: StructuredOutputs | None = None  # JSON schema, regex, choice or grammar
+    # Embed the prompt instead of generating: its final hidden states pooled ("last" token or
+    # "mean" of all), returned as the sequence's `embedding`
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids", "logprob_token_ids"):  # lists welcome; tuples kept
@@ -101,6 +107,10 @@ class SamplingParams:
              f"in [0, {MAX_LOGPROBS}]"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              "prompt_logprobs", f"in [0, {MAX_LOGPROBS}]"),
+            (self.pooling in POOLINGS, "pooling", " or ".join(map(repr, POOLINGS))),
+            (self.pooling is None or (self.n == 1 and self.prompt_logprobs is None
+                                      and self.structured is None), "pooling",
+             "without n, prompt_logprobs or an output constraint (nothing is generated)"),
             (all(self.stop), "stop", "non-empty strings"),
             (all(abs(b) <= MAX_LOGIT_BIAS for _, b in self.logit_bias), "logit_bias",
              f"a map of token ids to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
@@ -156,6 +166,7 @@ class Sequence:
     # (`plan.build_plan`), and the proposer's state for this sequence (`speculation`)
     draft: list[int] = field(default_factory=list)
     speculation: object | None = None
+    pooled: np.ndarray | None = None  # an embedding's pooled hidden states so far (fp32)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without copying the whole sequence (the
@@ -174,6 +185,13 @@ class Sequence:
         """Whether this sequence computes its request's prompt logprobs (completion 0 does;
         its siblings share them, and may share the prompt's cached blocks)."""
         return self.params.prompt_logprobs is not None and self.index == 0
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Whether every prompt position must be computed (no cached prefix): prompt logprobs
+        score each, a mean embedding pools each."""
+        return ((self.scores_prompt and len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
+                or self.params.pooling == "mean")
 
     @property
     def prompt_done(self) -> bool:

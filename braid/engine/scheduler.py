@@ -210,9 +210,9 @@ class Scheduler:
             if budget == 0 or len(self.running) >= self.max_running:
                 return
             keys = self.blocks.shareable_keys(seq)
-            # Prompt logprobs need the logits of every prompt position: no cached prefix
-            # (the blocks it computes are shared with others all the same).
-            scoring = seq.scores_prompt and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1
+            # Prompt logprobs and mean embeddings need every prompt position: no cached
+            # prefix (the blocks it computes are shared with others all the same).
+            scoring = seq.needs_every_position
             cached = 0 if scoring else self.blocks.cached_prefix(keys)
             if not scoring and cached < len(keys) and keys[cached] in computing:
                 continue  # its next block is being computed: share it from a later step
@@ -254,6 +254,7 @@ class Scheduler:
         seq.blocks, seq.num_computed, seq.scheduled_tokens = [], 0, 0
         seq.num_registered_blocks = 0
         seq.draft = []
+        seq.pooled = None  # a preempted embedding pools its recomputed prompt again
 
     def commit(self, batch: list[Sequence], layout: list[SequenceRows],
                result: StepResult) -> list[SequenceDelta]:
@@ -271,6 +272,12 @@ class Scheduler:
                 if rows.prompt_count:
                     seq.prompt_logprobs += result.prompt_logprobs[
                         rows.prompt_start:rows.prompt_start + rows.prompt_count]
+                if rows.pool_row is not None:
+                    pooled = result.pooled[rows.pool_row]
+                    seq.pooled = pooled if seq.pooled is None else seq.pooled + pooled
+                    if rows.pool_final:
+                        deltas.append(self._embedded(seq))
+                        continue
                 delta = None
                 if rows.sample_row is not None:
                     delta = self._record_tokens(seq, result, rows)
@@ -295,6 +302,16 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - one sequence's failure is its own
                 deltas.append(self.fail(seq, request_failure("recording its token", e)))
         return deltas
+
+    def _embedded(self, seq: Sequence) -> SequenceDelta:
+        """End an embedding whose whole prompt is pooled: its delta carries the vector."""
+        count = len(seq.prompt_ids) if seq.params.pooling == "mean" else 1
+        embedding = seq.pooled / count
+        cached = seq.num_cached_prompt
+        self._finish(seq, "stop")
+        return SequenceDelta(seq.request_id, seq.index, finish_reason="stop",
+                             embedding=embedding, num_prompt_tokens=len(seq.prompt_ids),
+                             num_cached_tokens=cached)
 
     def fail(self, seq: Sequence, error: str, invalid: bool = False,
              param: str | None = None) -> SequenceDelta:

@@ -6,6 +6,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import replace
 from itertools import count
 
+import numpy as np
 import torch
 
 from braid.config import EngineConfig, StepSwitches
@@ -125,6 +126,28 @@ class LLM:
                     self.core.abort(delta.request_id, delta.index)  # a stop string ended it
         return [tracker.output(prompt if isinstance(prompt, str) else None)
                 for prompt, tracker in zip(prompts, trackers.values())]
+
+    def embed(self, prompts: str | Seq[str] | Seq[Seq[int]], pooling: str = "last",
+              normalize: bool = True) -> list[np.ndarray]:
+        """One vector per prompt (text, or token ids), in prompt order: the final hidden
+        states of its tokens pooled (`pooling`: the "last" token's, or the "mean"), unit
+        length where `normalize`. All prompts are batched together like any prefill."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = SamplingParams(max_new_tokens=1, pooling=pooling)
+        encoded = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for ids in encoded:
+            self.core.check_request(ids, params)
+        vectors: dict[str, np.ndarray] = {}
+        order = [self.add_request(ids, params) for ids in encoded]
+        while self.core.has_work:
+            for delta in self.core.step():
+                if delta.finish_reason == "error":
+                    raise UserError(f"embedding a prompt failed: {delta.error}")
+                if delta.embedding is not None:
+                    vectors[delta.request_id] = delta.embedding
+        out = [vectors[request_id] for request_id in order]
+        return [v / np.linalg.norm(v) for v in out] if normalize else out
 
     def prompt_logits(self, prompts: Seq[Seq[int]]) -> list[torch.Tensor]:
         """fp32 logits at every position of each prompt (one batched prefill), for validation."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from braid.engine.request import SamplingParams
 from braid.errors import request_failure
 from braid.frontend.detokenizer import IncrementalDetokenizer
@@ -31,6 +33,7 @@ class CompletionState:
         self.error: str | None = None
         self.invalid = False  # the error is the request's own (`SequenceDelta.invalid`)
         self.param: str | None = None  # where invalid: the request field at fault
+        self.embedding: np.ndarray | None = None  # a pooling request's vector
 
     @property
     def finished(self) -> bool:
@@ -51,6 +54,8 @@ class CompletionState:
         if self.finished:
             return "", []
         self.token_ids += delta.new_token_ids
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         new_logprobs = delta.logprobs or []
         if self.logprobs is not None:
             self.logprobs += new_logprobs

@@ -159,3 +159,13 @@ class ForwardBatch:
         every_row = plan.logit_rows is None or len(plan.logit_rows) == plan.num_tokens
         self.logits_index = (None if every_row
                              else torch.from_numpy(plan.logit_rows).to(device))
+        # Embeddings: the tokens whose final hidden states are pooled, and the segment of each
+        segments = getattr(plan, "pool_segments", None)
+        self.pool_tokens = self.pool_ids = None
+        self.num_pools = 0 if segments is None else len(segments)
+        if segments is not None:
+            lengths = segments[:, 1] - segments[:, 0]
+            tokens = np.concatenate([np.arange(a, b) for a, b in segments])
+            self.pool_tokens = torch.from_numpy(tokens).to(device)
+            self.pool_ids = torch.from_numpy(np.repeat(np.arange(len(segments)), lengths)
+                                             ).to(device)

@@ -144,6 +144,10 @@ class CausalLM(nn.Module):
     @between_pieces  # the rows it keeps vary by step (a prompt chunk keeps none)
     def logits_op(self, state: State, batch: ForwardBatch) -> None:
         hidden = self.model.norm(self.final_residual(state))
+        if batch.pool_tokens is not None:  # embeddings: the sum of each pool segment, fp32
+            pooled = hidden.new_zeros(batch.num_pools, hidden.shape[1], dtype=torch.float32)
+            state.put("pooled", pooled.index_add_(0, batch.pool_ids,
+                                                  hidden[batch.pool_tokens].float()))
         if batch.logits_index is not None:
             hidden = hidden[batch.logits_index]
         if hidden.shape[0] == 0:  # no logits wanted (a prompt chunk): every rank skips the head

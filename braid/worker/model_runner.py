@@ -169,9 +169,10 @@ class ModelRunner:
         self.comm.compression = plan.mode.comm_compression
         if plan.mode.choice:
             tracer().instant(plan.mode.choice, "auto")
-        logits, path = self._forward(plan)
+        outputs, path = self._forward(plan)
         if self.comm.rank != 0:
             return None
+        logits = outputs["logits"]
         mask, waited = None, 0.0
         if plan.sampling is not None and len(plan.sampling.grammar_rows):
             start = time.perf_counter()
@@ -180,32 +181,38 @@ class ModelRunner:
             waited = time.perf_counter() - start
         result = postprocess(logits, plan, self.generator, mask)
         result.path, result.grammar_wait_s = path, waited
+        if "pooled" in outputs:
+            result.pooled = outputs["pooled"].cpu().numpy()
         return result
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """The logits of the plan's logit rows (a one-rank model: a draft's proposals)."""
-        return self._forward(plan)[0]
+        return self._forward(plan)[0]["logits"]
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, str]:
-        """Logits of the step's logit rows and the path it took (`STEP_PATHS`): the decode
-        graph, or the operation list (with compiled pieces where prepared) straight or as two
-        overlapped micro-batches (each computes its share of the rows, A's first). Steps with
-        collectives skipped or compressed run eager: the graphs hold the plain ones."""
+    def _forward(self, plan: StepPlan) -> tuple[dict[str, torch.Tensor], str]:
+        """The step's outputs ("logits" of its logit rows, and "pooled" where it embeds) and
+        the path it took (`STEP_PATHS`): the decode graph, or the operation list (with
+        compiled pieces where prepared) straight or as two overlapped micro-batches (each
+        computes its share of the rows, A's first). Steps with collectives skipped or
+        compressed run eager: the graphs hold the plain ones; steps that embed run one batch
+        outside the decode graph, which has no pooled output."""
         block_size = self.engine.kv_cache.block_size
         compiled = (self.decode_graph is not None and not plan.mode.skip_comm
                     and plan.mode.comm_compression == "none")
+        pooling = plan.pool_segments is not None
         parts = (split_step(plan, self.engine.switches.tbo_token_distribution_threshold)
-                 if plan.mode.overlap else None)
+                 if plan.mode.overlap and not pooling else None)
         if parts is None:
             batch = ForwardBatch(plan, block_size, self.device)
-            if compiled and self.decode_graph.handles(batch):
+            if compiled and not pooling and self.decode_graph.handles(batch):
                 with tracer().span("decode graph", "A"):
-                    return self.decode_graph(batch), "graph"
+                    return {"logits": self.decode_graph(batch)}, "graph"
             ops = self.pieces.plain if compiled else self.operations
-            return execute(ops, batch)["logits"], "pieces" if compiled else "eager"
+            outputs = ("logits", "pooled") if pooling else ("logits",)
+            return execute(ops, batch, outputs), "pieces" if compiled else "eager"
         ops = self.pieces.staged if compiled else self.operations
         out_a, out_b = execute_overlapped(ops, ForwardBatch(parts.a, block_size, self.device),
                                           ForwardBatch(parts.b, block_size, self.device))
         path = "pieces+overlap" if compiled else "eager+overlap"
-        return torch.cat([out_a["logits"], out_b["logits"]]), path
+        return {"logits": torch.cat([out_a["logits"], out_b["logits"]])}, path
