@@ -33,6 +33,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from braid.server.anthropic import CountTokensRequest, MessagesRequest
+from braid.server.embeddings import EmbeddingRequest
 from braid.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,14 +70,15 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 MESSAGES_PATH = "/v1/messages"
 RESPONSES_PATH = "/v1/responses"
-GENERATING_PATHS = (COMPLETIONS_PATH, CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH)
+EMBEDDINGS_PATH = "/v1/embeddings"
+GENERATING_PATHS = (COMPLETIONS_PATH, CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH, EMBEDDINGS_PATH)
 _INT = pydantic.TypeAdapter(int)
 # The top-level fields each body model reads (the report leaves out the others, which the server
 # ignores, so a reproducing body stays readable).
 FIELDS = {COMPLETIONS_PATH: CompletionRequest, CHAT_PATH: ChatCompletionRequest,
           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
           MESSAGES_PATH: MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
-          RESPONSES_PATH: ResponsesRequest}
+          RESPONSES_PATH: ResponsesRequest, EMBEDDINGS_PATH: EmbeddingRequest}
 # A streamed error event that is the server's fault, in OpenAI's, Anthropic's or the Responses
 # API's shape
 STREAMED_SERVER_ERROR = re.compile(
@@ -270,7 +272,7 @@ def test_fuzz_never_a_server_error(server):
     assert {op.label for op in operations} >= {
         "GET /health", "GET /metrics", "GET /v1/models", "POST /tokenize", "POST /detokenize",
         "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/messages",
-        "POST /v1/messages/count_tokens", "POST /v1/responses",
+        "POST /v1/messages/count_tokens", "POST /v1/responses", "POST /v1/embeddings",
         "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}"}
     fuzzer = Fuzzer(server, FUZZ_BUDGET_S)
     start = time.monotonic()

@@ -244,3 +244,30 @@ def test_output_blocks_open_extend_and_close_in_turn() -> None:
     assert shape[0] == ("start", "text", 0) and ("stop", "text", 0) in shape
     assert shape[-3:] == [("start", "call", 1), ("delta", "call", 1), ("stop", "call", 1)]
     assert steps[-3].name == "f" and json.loads(steps[-2].text) == {}
+
+
+# Embeddings
+
+def test_embeddings_through_the_openai_client(server, client, model):
+    import base64
+
+    import numpy as np
+    import openai
+
+    texts = ["The capital of France is Paris.", "Bonjour", "The capital of France is Paris."]
+    floats = client.embeddings.create(model=model, input=texts)
+    vectors = [np.array(item.embedding) for item in floats.data]
+    assert [item.index for item in floats.data] == [0, 1, 2]
+    assert all(abs(np.linalg.norm(v) - 1) < 1e-3 for v in vectors)
+    assert float(vectors[0] @ vectors[2]) > 0.999 > float(vectors[0] @ vectors[1])
+    tokens = httpx.post(f"{server.base_url}/tokenize", headers={"x-api-key": API_KEY},
+                        json={"prompt": texts[1]}).json()["count"]
+    alone = client.embeddings.create(model=model, input=texts[1], encoding_format="base64")
+    assert alone.usage.prompt_tokens == tokens
+    # Little-endian float32: the same vector, batched or not
+    decoded = np.frombuffer(base64.b64decode(alone.data[0].embedding), "<f4")
+    assert float(decoded @ vectors[1]) > 0.999
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.embeddings.create(model=model, input="x", dimensions=64)
+    assert refused.value.body["param"] == "dimensions"
+    assert "not trained for shorter vectors" in refused.value.body["message"]

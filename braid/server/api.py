@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health,
-metrics, tokenize and detokenize.
+"""The HTTP API (FastAPI): OpenAI's completions, chat completions, Responses and embeddings,
+Anthropic's Messages, models, health, metrics, tokenize and detokenize.
 
 Before a handler runs, middleware checks the API key from the headers and bounds the body's
 size. Handlers tokenize, check a request completely before anything reaches the engine (a bad
@@ -27,10 +27,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from braid.engine.request import SamplingParams, check_request
 from braid.errors import UserError
 from braid.loader.model_config import ModelConfig
-from braid.server import anthropic, responses_api
+from braid.server import anthropic, embeddings, responses_api
 from braid.server.anthropic import CountTokensRequest, MessagesRequest, MessagesResponder
 from braid.server.async_engine import AsyncEngine, EngineDead
 from braid.server.chat_tools import ToolOutput
+from braid.server.embeddings import EmbeddingRequest, EmbeddingResponder
 from braid.server.generation import PromptRun, close, generate, make_runs, submit
 from braid.server.metrics import Metrics
 from braid.server.middleware import LimitBody, RequireAPIKey
@@ -75,6 +76,8 @@ class ServerContext:
     tool_parser: ToolCallParser | None = None  # reads tool_choice "auto" outputs
     reasoning_parser: ThinkParser | None = None  # splits reasoning from the answer
     response_store: ResponseStore = field(default_factory=lambda: ResponseStore(256))
+    pooling: str = "last"  # how /v1/embeddings pools a prompt's final hidden states
+    matryoshka_dimensions: list[int] | bool = False  # shorter lengths vectors may take
     created: int = 0
 
     @property
@@ -113,6 +116,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
     messages_model, count_tokens_model = anthropic.bounded_models(
         ctx.limits, ctx.max_model_len, ctx.model_name)
     responses_model = responses_api.bounded_model(ctx.max_model_len, ctx.model_name)
+    embedding_model = embeddings.bounded_model(ctx.limits, ctx.model_config.vocab_size,
+                                               ctx.max_model_len, ctx.model_name)
 
     def post(path: str, body_model: type) -> Callable:
         """`app.post`, with the handler's `body` typed by this server's bounded model (a
@@ -295,6 +300,22 @@ def build_app(ctx: ServerContext) -> FastAPI:
             raise _no_response(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
+    @post("/v1/embeddings", embedding_model)
+    async def create_embeddings(body: EmbeddingRequest, raw: Request) -> Response:
+        check_model(body.model)
+        inputs = body.input
+        check_capacity(1 if isinstance(inputs, str) or _is_ids(inputs) else len(inputs))
+        with _named_as({"prompt": "input"}):
+            prompts, _ = _completion_prompts(ctx.tokenizer, inputs)
+        if body.dimensions is not None:
+            _check_dimensions(body.dimensions, ctx.model_config.hidden_size,
+                              ctx.matryoshka_dimensions)
+        params = SamplingParams(max_new_tokens=1, pooling=ctx.pooling)
+        for ids in prompts:
+            _check(ids, params, ctx, "input")
+        runs = make_runs(f"embd-{secrets.token_hex(12)}", prompts, params, ctx.tokenizer)
+        return await run(runs, False, EmbeddingResponder(ctx.model_name, body, runs), raw)
+
     @post("/v1/chat/completions", models.chat)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         runs, tools = chat_runs(body, "chatcmpl")
@@ -395,6 +416,22 @@ def _check(ids: list[int], params: SamplingParams, ctx: ServerContext, prompt_fi
         check_request(ids, params, ctx.model_config, ctx.kv_capacity)
     except UserError as e:
         raise APIError(400, str(e), prompt_field if e.param == "prompt" else e.param) from None
+
+
+def _check_dimensions(dimensions: int, size: int, allowed: list[int] | bool) -> None:
+    """400 for an embedding length the model's vectors do not keep their meaning at."""
+    if dimensions == size:
+        return
+    if dimensions > size:
+        reason = f"at most {size}, this model's"
+    elif not allowed:
+        reason = (f"{size}: this model was not trained for shorter vectors (its config has no "
+                  "matryoshka_dimensions or is_matryoshka)")
+    elif allowed is not True and dimensions not in allowed:
+        reason = f"one of {sorted(allowed)} (its matryoshka_dimensions)"
+    else:
+        return
+    raise APIError(400, f"dimensions must be {reason}", "dimensions")
 
 
 def _completion_prompts(tokenizer, prompt) -> tuple[list[list[int]], list[str]]:

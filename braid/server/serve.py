@@ -23,7 +23,7 @@ import uvicorn
 from braid.config import EngineConfig
 from braid.loader.model_config import check_model_path
 from braid.loader.tokenizer import eos_token_ids, load_tokenizer
-from braid.server import reasoning
+from braid.server import embeddings, reasoning
 from braid.server.api import ServerContext, build_app
 from braid.server.async_engine import AsyncEngine
 from braid.server.metrics import Metrics
@@ -112,6 +112,9 @@ def run_server(config: EngineConfig, settings: ServeSettings) -> int:
             reasoning_parser=reasoning.parser_for(settings.reasoning_parser,
                                                   getattr(tokenizer, "chat_template", None)),
             response_store=ResponseStore(settings.responses_store_size),
+            pooling=(embeddings.checkpoint_pooling(config.model) if settings.pooling == "auto"
+                     else settings.pooling),
+            matryoshka_dimensions=embeddings.matryoshka_dimensions(config.model),
             created=int(time.time()))
         metrics.queued.set_function(lambda: engine.queued_sequences)
         server = _Server(uvicorn.Config(build_app(ctx), host=settings.host, port=settings.port,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from braid import settings
 from braid.errors import UserError
+from braid.server.embeddings import POOLINGS
 from braid.server.protocol import RequestLimits
 from braid.server.reasoning import REASONING_PARSERS
 from braid.server.tool_calls import TOOL_CALL_PARSERS
@@ -41,6 +42,10 @@ class ServeSettings:
         "auto", "how a reasoning model's <think>...</think> is split from its answer into "
         "reasoning_content (auto: where the chat template shows the markers)",
         choices=("auto", "none", *REASONING_PARSERS))
+    pooling: str = setting(
+        "auto", "how /v1/embeddings pools a prompt's final hidden states (auto: as the "
+        "checkpoint's sentence-transformers config says, else the last token's)",
+        choices=POOLINGS)
     responses_store_size: int = setting(
         256, "most /v1/responses answers kept for previous_response_id and GET (in memory, "
         "the least recently used evicted; 0: none kept)", metavar="N", at_least=0)
