@@ -39,8 +39,8 @@ class ServeSettings:
         "auto", "how tool calls are read from the output of tool_choice auto (auto: from the "
         "chat template's markers)", choices=("auto", "none", *TOOL_CALL_PARSERS))
     reasoning_parser: str = setting(
-        "auto", "how a reasoning model's <think>...</think> is split from its answer into "
-        "reasoning_content (auto: where the chat template shows the markers)",
+        "auto", "how a reasoning model's think block is split from its answer into "
+        "reasoning_content (auto: where the chat template shows its think markers)",
         choices=("auto", "none", *REASONING_PARSERS))
     pooling: str = setting(
         "auto", "how /v1/embeddings pools a prompt's final hidden states (auto: as the "
