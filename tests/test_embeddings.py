@@ -4,6 +4,11 @@ when the prompt is prefilled in chunks and beside a generating request."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -46,3 +51,16 @@ def test_embeddings_equal_transformers_pooled_hidden_states(tmp_path, tokenizer,
         assert generating and not llm.has_work
         with pytest.raises(UserError, match="pooling"):
             llm.embed(prompts, pooling="max")
+
+
+@pytest.mark.slow  # the figures' command (docs/client-apis.md), in short form
+def test_the_embedding_benchmark_runs(tmp_path, tokenizer):
+    path = make_random_model("qwen3", "tiny", str(tmp_path / "qwen3"), tokenizer=tokenizer)
+    script = Path(__file__).parents[1] / "scripts" / "bench_embeddings.py"
+    run = subprocess.run([sys.executable, str(script), "--model", str(path), "--num-inputs",
+                          "16", "--input-len", "16", "--hf-batch", "8"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    distance = float(re.search(r"largest cosine distance between their vectors: (\S+)",
+                               run.stdout).group(1))
+    assert distance < MAX_COSINE_DISTANCE and "braid tp 2:" in run.stdout
