@@ -14,30 +14,28 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from braid.engine.request import SamplingParams, check_request
 from braid.errors import UserError
 from braid.loader.model_config import ModelConfig
 from braid.server import anthropic, embeddings, responses_api
 from braid.server.anthropic import CountTokensRequest, MessagesRequest, MessagesResponder
+from braid.server.api_errors import APIError, install_error_handlers, invalid_body, named_as
 from braid.server.async_engine import AsyncEngine, EngineDead
 from braid.server.chat_tools import ToolOutput
 from braid.server.embeddings import EmbeddingRequest, EmbeddingResponder
 from braid.server.generation import PromptRun, close, generate, make_runs, submit
 from braid.server.metrics import Metrics
 from braid.server.middleware import LimitBody, RequireAPIKey
+from braid.server.prompts import chat_prompt, completion_prompts, tokenize_text
 from braid.server.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     RequestLimits,
@@ -85,27 +83,11 @@ class ServerContext:
         return self.model_config.max_position_embeddings
 
 
-class APIError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | int | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = (
-            status, message, param, type_, code)
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code),
-                            status_code=self.status, headers=self.headers)
-
-
 def build_app(ctx: ServerContext) -> FastAPI:
     """The FastAPI application serving `ctx`'s model."""
     app = FastAPI(title="braid", docs_url=None, redoc_url=None)
     app.state.ctx = ctx
-    _install_error_handlers(app, ctx.metrics)
+    install_error_handlers(app, ctx.metrics)
     reject = ctx.metrics.reject
     app.add_middleware(LimitBody, max_bytes=ctx.limits.max_request_bytes, on_reject=reject)
     if ctx.api_key is not None:  # outermost: nothing of a request is read before the key
@@ -194,9 +176,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of `prompt` and `messages`", "prompt")
         if body.messages is not None:
-            ids = _chat_prompt(ctx.tokenizer, body.messages, None, body.chat_template_kwargs)
+            ids = chat_prompt(ctx.tokenizer, body.messages, None, body.chat_template_kwargs)
         else:
-            ids = _tokenize(ctx.tokenizer, body.prompt, "prompt", body.add_special_tokens)
+            ids = tokenize_text(ctx.tokenizer, body.prompt, "prompt", body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
 
     @post("/detokenize", models.detokenize)
@@ -210,7 +192,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         n_prompts = 1 if isinstance(body.prompt, str) or _is_ids(body.prompt) else len(
             body.prompt)
         check_capacity(n_prompts * body.n)
-        prompts, texts = _completion_prompts(ctx.tokenizer, body.prompt)
+        prompts, texts = completion_prompts(ctx.tokenizer, body.prompt)
         max_tokens = body.max_tokens or _room(ctx, max(len(p) for p in prompts))
         logprobs = body.logprobs
         params = body.sampling_params(max_tokens, logprobs,
@@ -227,7 +209,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         """A checked chat request's run (ids `{prefix}-...`) and how its text is read."""
         check_fields(body)
         check_capacity(body.n)
-        ids = _chat_prompt(ctx.tokenizer, body.messages,
+        ids = chat_prompt(ctx.tokenizer, body.messages,
                            body.tool_dicts() if body.tool_mode != "none" else None,
                            body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens or body.max_tokens or _room(ctx, len(ids))
@@ -256,31 +238,31 @@ def build_app(ctx: ServerContext) -> FastAPI:
             return models.chat.model_validate({**body.chat_request(*args),
                                                "model": body.model})
         except ValidationError as e:
-            raise _invalid(e.errors()) from None
+            raise invalid_body(e.errors()) from None
 
     @post("/v1/messages", messages_model)
     async def messages(body: MessagesRequest, raw: Request) -> Response:
         if body.thinks and ctx.reasoning_parser is None:
             raise APIError(400, "thinking needs a reasoning model: this server reads no "
                                 "reasoning from its output (--reasoning-parser)", "thinking")
-        with _named_as(body.chat_names):
+        with named_as(body.chat_names):
             runs, tools = chat_runs(as_chat(body), "msg")
         response = MessagesResponder(ctx.model_name, runs[0], tools, ctx.report_cached_tokens)
         return await run(runs, body.stream, response, raw)
 
     @post("/v1/messages/count_tokens", count_tokens_model)
     async def count_tokens(body: CountTokensRequest) -> dict:
-        with _named_as(body.chat_names):
+        with named_as(body.chat_names):
             chat = as_chat(body)
             check_fields(chat)
-            ids = _chat_prompt(ctx.tokenizer, chat.messages,
+            ids = chat_prompt(ctx.tokenizer, chat.messages,
                                chat.tool_dicts() if chat.tool_mode != "none" else None,
                                chat.chat_template_kwargs)
         return {"input_tokens": len(ids)}
 
     @post("/v1/responses", responses_model)
     async def create_response(body: ResponsesRequest, raw: Request) -> Response:
-        with _named_as(body.chat_names):
+        with named_as(body.chat_names):
             conversation = body.conversation(ctx.response_store)
             runs, tools = chat_runs(as_chat(body, conversation), "resp")
         response = ResponsesResponder(ctx.model_name, body, conversation, runs[0], tools,
@@ -305,8 +287,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
         check_model(body.model)
         inputs = body.input
         check_capacity(1 if isinstance(inputs, str) or _is_ids(inputs) else len(inputs))
-        with _named_as({"prompt": "input"}):
-            prompts, _ = _completion_prompts(ctx.tokenizer, inputs)
+        with named_as({"prompt": "input"}):
+            prompts, _ = completion_prompts(ctx.tokenizer, inputs)
         if body.dimensions is not None:
             _check_dimensions(body.dimensions, ctx.model_config.hidden_size,
                               ctx.matryoshka_dimensions)
@@ -335,80 +317,9 @@ def _is_ids(prompt) -> bool:
     return bool(prompt) and all(isinstance(p, int) for p in prompt)
 
 
-@contextmanager
-def _named_as(names: dict[str, str]) -> Iterator[None]:
-    """Errors of a request translated into a chat request name the field as the client's API
-    does (`names`: chat's field -> the API's)."""
-    try:
-        yield
-    except APIError as e:
-        e.param = names.get(e.param, e.param)
-        raise
-    except UserError as e:
-        raise APIError(400, str(e), names.get(e.param, e.param)) from None
-
-
 def _no_response(response_id: str) -> APIError:
     return APIError(404, f"no stored response has the id {response_id!r} (never stored, "
                          "deleted, or evicted)", "response_id", "not_found_error")
-
-
-# Parts of a validation error's location that name a union's option, not a field
-_UNION_OPTIONS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
-
-
-def _invalid(errors: list) -> APIError:
-    """A 400 naming the field of a body's most specific validation error: of a union's
-    options, the one that got furthest into the body, and not one of another type."""
-    first = max(errors, key=lambda error: (len(error.get("loc", ())),
-                                           not error.get("type", "").endswith("_type")))
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"malformed JSON body: {first.get('msg')}")
-    fields = [str(part) for part in first.get("loc", ()) if part != "body" and not (
-        isinstance(part, str) and ("[" in part or part in _UNION_OPTIONS))]
-    param = fields[0] if fields else None
-    where = ".".join(fields) or "body"
-    return APIError(400, f"{where}: {first.get('msg')}", param)
-
-
-def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
-    def answer(request: Request, e: APIError) -> JSONResponse:
-        if e.status < 500 and e.status not in (401, 413, 429):  # those count where raised
-            metrics.reject("not_found" if e.status == 404 else "invalid")
-        if request.url.path.startswith(anthropic.PATH_PREFIX):
-            return JSONResponse(anthropic.error_body(e.status, e.message), status_code=e.status,
-                                headers=e.headers)
-        return e.response()
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return answer(request, e)
-
-    @app.exception_handler(UserError)
-    async def user_error(request: Request, e: UserError) -> JSONResponse:
-        return answer(request, APIError(400, str(e), e.param))
-
-    @app.exception_handler(EngineDead)
-    async def engine_dead(request: Request, e: EngineDead) -> JSONResponse:
-        return answer(request, APIError(503, "the engine is not running",
-                                        type_="server_error"))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        return answer(request, _invalid(e.errors()))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return answer(request, APIError(e.status_code, str(e.detail),
-                                        type_="not_found_error" if e.status_code == 404 else
-                                        "invalid_request_error"))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, e: Exception) -> JSONResponse:
-        # A bug, not the client's doing: its trace goes to the server's log (uvicorn logs
-        # what this handler answered), not to the client.
-        return answer(request, APIError(500, "internal error (see the server's log)",
-                                        type_="server_error"))
 
 
 def _check(ids: list[int], params: SamplingParams, ctx: ServerContext, prompt_field: str) -> None:
@@ -434,33 +345,6 @@ def _check_dimensions(dimensions: int, size: int, allowed: list[int] | bool) -> 
     raise APIError(400, f"dimensions must be {reason}", "dimensions")
 
 
-def _completion_prompts(tokenizer, prompt) -> tuple[list[list[int]], list[str]]:
-    """Token ids and text of each prompt (a string, strings, token ids, lists of ids)."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if not prompt:
-        raise APIError(400, "prompt must not be empty", "prompt")
-    if all(isinstance(p, int) for p in prompt):
-        prompt = [prompt]
-    prompts, texts = [], []
-    for p in prompt:
-        if isinstance(p, str):
-            prompts.append(_tokenize(tokenizer, p, "prompt"))
-            texts.append(p)
-        else:
-            prompts.append(list(p))
-            texts.append(None)
-    return prompts, texts
-
-
-def _tokenize(tokenizer, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
-    """Token ids of `text`; 400 if the tokenizer cannot take it (a lone surrogate)."""
-    try:
-        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-    except Exception as e:  # noqa: BLE001 - the text's fault: the tokenizer is fine otherwise
-        raise APIError(400, f"{field} cannot be tokenized: {e}", field) from None
-
-
 def _tool_output(body: ChatCompletionRequest, parser: ToolCallParser | None,
                  reasoning: ThinkParser | None, in_reasoning: bool) -> ToolOutput:
     """How the request's choices are read (400 for "auto" tool calls without a parser)."""
@@ -473,32 +357,6 @@ def _tool_output(body: ChatCompletionRequest, parser: ToolCallParser | None,
     name = body.tool_choice.function.name if mode == "named" else None
     return ToolOutput(mode, parser, name, single=body.parallel_tool_calls is False,
                       reasoning=reasoning, in_reasoning=in_reasoning)
-
-
-def _chat_prompt(tokenizer, messages: list[ChatMessage], tools: list[dict] | None = None,
-                 template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of a conversation (and the tools it offers) through the model's chat
-    template, given `template_kwargs` beside (`enable_thinking`, say)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-    conversation = []
-    for message in messages:
-        entry = message.model_dump(exclude_none=True)
-        text = message.text()
-        if text is not None or not entry.get("tool_calls"):
-            # Without content a template fails on a missing key; an assistant's tool calls
-            # keep their null content, which templates test for
-            entry["content"] = text or ""
-        conversation.append(entry)
-    try:
-        ids = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True, tools=tools or None,
-            **(template_kwargs or {}))
-    except Exception as e:  # noqa: BLE001 - a template's own complaint about the messages
-        raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from e
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 def _log_abandoned(runs: list[PromptRun]) -> None:
