@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import slow
 
 from braid.engine.request import SamplingParams
 from braid.errors import UserError
@@ -35,7 +36,7 @@ def hf_pooled(path: str, prompts: list[list[int]], pooling: str) -> list[np.ndar
     return out
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", slow("llama")])
 def test_embeddings_equal_transformers_pooled_hidden_states(tmp_path, tokenizer, prompt_ids,
                                                             arch):
     path = str(make_random_model(arch, "tiny", str(tmp_path / arch), tokenizer=tokenizer))

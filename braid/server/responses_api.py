@@ -333,10 +333,7 @@ class ResponsesResponder:
         """The events of one step of the output blocks; `output` holds the items so far."""
         index = step.index
         if step.kind == "start":
-            output.append({"reasoning": lambda: _reasoning_item(_new_id("rs"), ""),
-                           "text": lambda: _message_item(_new_id("msg"), ""),
-                           "call": lambda: _call_item(_new_id("fc"), step.call_id, step.name,
-                                                      "")}[step.block]())
+            output.append(_new_item(step))
             item = output[index]
             item["status"] = "in_progress"
             added = _copy(item)
@@ -379,6 +376,15 @@ class ResponsesResponder:
                                   arguments=item["arguments"])]
         return events + [self._event("response.output_item.done", output_index=index,
                                      item=_copy(item))]
+
+
+def _new_item(step: BlockEvent) -> dict:
+    """The empty output item that a block's start opens."""
+    if step.block == "reasoning":
+        return _reasoning_item(_new_id("rs"), "")
+    if step.block == "text":
+        return _message_item(_new_id("msg"), "")
+    return _call_item(_new_id("fc"), step.call_id, step.name, "")
 
 
 def _copy(item: dict) -> dict:
