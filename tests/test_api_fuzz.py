@@ -48,7 +48,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # whose phases stop at their share's end (the closing line counts them). Schema-valid random
 # bodies for the generating operations reach the engine and take longest, so they get
 # GENERATING_SHARE times the time of any other operation and mode.
-FUZZ_BUDGET_S = 30
+FUZZ_BUDGET_S = 24
 BOUNDARY_SHARE = 0.5
 GENERATING_SHARE = 4
 RANDOM_EXAMPLES = 100  # random cases per operation and generation mode (Hypothesis' max_examples)

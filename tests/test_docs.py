@@ -6,7 +6,8 @@ own (`../shared` is the workspace's shared folder), with servers of their own. A
 preceded by an HTML comment that says how it runs:
 - none: run in `make test`;
 - `<!-- doctest: slow -->`: run in `make test-all` only (benchmarks, evaluations, and
-  examples whose commands `tests/test_cli.py` already runs in short form);
+  examples whose commands `tests/test_cli.py` already runs in short form, or whose Python
+  calls the tests make: the README's `LLM(tp=2, dtype="fp32")` is `tests/test_hf_parity.py`'s);
 - `<!-- doctest: server -->`: each command starts a server that stays up for the page's blocks
   after it and must exit 0 on SIGTERM once the page's last selected block ran; the test gives
   each a free port and points the later blocks' `127.0.0.1:PORT` addresses at it (tests never

@@ -74,7 +74,7 @@ GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=Tru
 # The default suite runs each family once, the tps spread over them; `-m ""` runs every tp and
 # both collective backends of the MoE families.
 DEFAULT_CASES = {("mistral", 2, "shm"), ("qwen2", 2, "shm"), ("qwen3", 1, "shm"),
-                 ("qwen3_moe", 2, "shm"), ("mixtral", 2, "torch"), ("gemma3", 3, "shm"),
+                 ("qwen3_moe", 2, "shm"), ("mixtral", 2, "torch"), ("gemma3", 2, "shm"),
                  ("phi3", 1, "shm")}
 CASES = sorted({*DEFAULT_CASES, *((arch, tp, "shm") for arch in FAMILIES for tp in (1, 2, 3)),
                 *((arch, 2, "torch") for arch in ("qwen3_moe", "mixtral", "gemma3"))})
