@@ -210,8 +210,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
         check_fields(body)
         check_capacity(body.n)
         ids = chat_prompt(ctx.tokenizer, body.messages,
-                           body.tool_dicts() if body.tool_mode != "none" else None,
-                           body.chat_template_kwargs)
+                          body.tool_dicts() if body.tool_mode != "none" else None,
+                          body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens or body.max_tokens or _room(ctx, len(ids))
         top = body.top_logprobs
         if top is not None and not body.logprobs:
@@ -256,8 +256,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
             chat = as_chat(body)
             check_fields(chat)
             ids = chat_prompt(ctx.tokenizer, chat.messages,
-                               chat.tool_dicts() if chat.tool_mode != "none" else None,
-                               chat.chat_template_kwargs)
+                              chat.tool_dicts() if chat.tool_mode != "none" else None,
+                              chat.chat_template_kwargs)
         return {"input_tokens": len(ids)}
 
     @post("/v1/responses", responses_model)

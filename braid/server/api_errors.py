@@ -20,7 +20,7 @@ from braid.server.protocol import error_body
 
 
 class APIError(Exception):
-    """An error answered in OpenAI's shape."""
+    """An error answered in OpenAI's shape (Anthropic's on its routes: the handlers')."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  type_: str = "invalid_request_error", code: str | int | None = None,
@@ -67,6 +67,9 @@ def invalid_body(errors: list) -> APIError:
 
 
 def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Answer whatever a handler raises as an `APIError` in the route's API shape (a client's
+    error counted among the rejections of `metrics`)."""
+
     def answer(request: Request, e: APIError) -> JSONResponse:
         if e.status < 500 and e.status not in (401, 413, 429):  # those count where raised
             metrics.reject("not_found" if e.status == 404 else "invalid")

@@ -36,7 +36,7 @@ def tokenize_text(tokenizer, text: str, field: str, add_special_tokens: bool = T
 
 
 def chat_prompt(tokenizer, messages: list[ChatMessage], tools: list[dict] | None = None,
-                 template_kwargs: dict | None = None) -> list[int]:
+                template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a conversation (and the tools it offers) through the model's chat
     template, given `template_kwargs` beside (`enable_thinking`, say)."""
     if not getattr(tokenizer, "chat_template", None):
