@@ -357,8 +357,10 @@ def _template_variables(value: dict) -> dict:
 
 
 # Variables for the chat template (vLLM's `chat_template_kwargs`: `enable_thinking`, say)
-TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_template_variables),
-                           Field(max_length=64)]
+TemplateKwargs = Annotated[
+    dict[str, Any], AfterValidator(_template_variables), Field(max_length=64),
+    WithJsonSchema({"type": "object", "maxProperties": 64,
+                    "propertyNames": {"not": {"enum": list(_TEMPLATE_ARGUMENTS)}}})]
 
 
 class ChatCompletionRequest(SamplingFields):
