@@ -1,7 +1,8 @@
 """Reasoning output: `<think>...</think>` split from the answer into `reasoning_content`
 (chat), thinking blocks (Messages) and reasoning items (Responses), whole and streamed; a
 constraint on the answer leaves the reasoning free; a request turns thinking off through the
-template (`chat_template_kwargs.enable_thinking`)."""
+template (`chat_template_kwargs.enable_thinking`). The Messages and Responses streams are
+also driven here without a server, from scripted text events (reasoning, a failure)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,29 @@ def test_messages_and_responses_carry_the_reasoning_whole_and_streamed():
     assert "".join(e["delta"] for e in events
                    if e["type"] == "response.output_text.delta") == ANSWER
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_a_failed_generation_ends_each_stream_with_its_apis_error_event():
+    """The engine's per-request failure, streamed: Anthropic's `error` event (its type by
+    whose fault it was) and the Responses API's `response.failed`, nothing after them."""
+    run = finished_run("partial")
+    state = run.completions[0]
+    state.finish_reason, state.error = "error", "no token is allowed"
+
+    async def failed():
+        yield SimpleNamespace(state=SimpleNamespace(finish_reason="error", finished=True,
+                                                    invalid=True, error=state.error),
+                              text="", run=run)
+
+    message = MessagesResponder("m", run, ToolOutput("none"), True)
+    events = asyncio.run(_collect(message.chunks(failed())))
+    assert [e["type"] for e in events] == ["message_start", "error"]
+    assert events[-1]["error"]["type"] == "invalid_request_error"
+    response = ResponsesResponder("m", ResponsesRequest(input="x"), [], run, ToolOutput("none"),
+                                  True, None)
+    events = asyncio.run(_collect(response.chunks(failed())))
+    assert [e["type"] for e in events][-1] == "response.failed"
+    assert events[-1]["response"]["error"]["code"] == "invalid_prompt"
 
 
 @pytest.fixture(scope="module")
