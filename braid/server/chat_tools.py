@@ -135,8 +135,9 @@ class ChoiceTools:
 
 @dataclass(frozen=True)
 class BlockEvent:
-    """A step of a streamed choice seen as output blocks: a block of text or a function call
-    opens ("start"), grows ("delta": text, or the call's arguments) and closes ("stop")."""
+    """A step of a streamed choice seen as output blocks: a block of reasoning, of answer text
+    or a function call opens ("start"), grows ("delta": text, or the call's arguments) and
+    closes ("stop")."""
 
     kind: Literal["start", "delta", "stop"]
     block: Literal["reasoning", "text", "call"]
