@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import subprocess
@@ -131,6 +132,28 @@ def test_copy_edit_asks_to_rename_a_name_of_its_snippet_within_the_lengths(token
     assert kinds == {"rename", "replace the word"}
     with pytest.raises(UserError, match="--random-input-len of at least"):
         sample_requests(Dataset("copy-edit", num_prompts=1, random_input_len=20), tokenizer)
+
+
+@needs_mmlu
+def test_copy_edit_mmlu_copies_consecutive_questions_of_one_subject(tokenizer):
+    """Text braid's code never held: runs of one subject's MMLU questions and choices, each
+    request asking for one word to be replaced; refused without the folder."""
+    dataset = Dataset("copy-edit-mmlu", dataset_path=str(MMLU), num_prompts=8,
+                      random_input_len=600, random_output_len=400, seed=3)
+    requests = sample_requests(dataset, tokenizer)
+    assert requests == sample_requests(dataset, tokenizer)
+    questions = {row[0] for file in (MMLU / "test").glob("*.csv")
+                 for row in csv.reader(file.open(newline="", encoding="utf-8"))}
+    for request in requests:
+        assert request.prompt_len <= 600 and 1 <= request.output_len <= 400
+        instruction = re.search(r"replace the word `(\w+)` with `(\w+)`\. Output only the "
+                                r"text\.\n\n(.*)", request.prompt, re.S)
+        old, new, snippet = instruction.groups()
+        assert snippet.splitlines()[0] in questions and "\nA) " in snippet
+        assert re.search(rf"\b{old}\b", snippet) and not re.search(rf"\b{new}\b", snippet)
+    with pytest.raises(UserError, match="needs --dataset-path"):
+        sample_requests(Dataset("copy-edit-mmlu", num_prompts=1, random_input_len=600),
+                        tokenizer)
 
 
 def test_mmlu_prompt_is_the_original_format(tmp_path):

@@ -12,7 +12,10 @@
   has none). Lines are dropped from the snippet's end until the prompt fits its drawn length
   (raised to the shortest that leaves room for a snippet); the output length is the edited
   snippet's token count, capped by the drawn output length. The snippets are braid's source,
-  so a given `--seed` gives the same requests for one braid version.
+  so a given `--seed` gives the same requests for one braid version;
+- `copy-edit-mmlu`: the same instructions (a word to replace) over 3-12 consecutive questions,
+  with their choices, of one MMLU subject (`--dataset-path`: the MMLU folder, its `test/` CSVs):
+  text that braid's code never held, so the figure does not move when the code does.
 
 Lengths are uniform in [max(1, len * range_ratio), len] (`--random-range-ratio`, default 0.0);
 the same `--seed` gives the same requests.
@@ -22,12 +25,14 @@ from __future__ import annotations
 
 import ast
 import builtins
+import csv
 import functools
 import json
 import keyword
 import random
 import re
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +41,7 @@ import numpy as np
 from braid.errors import UserError
 from braid.settings import check, setting
 
-DATASETS = ("random-ids", "random", "sharegpt", "copy-edit")
+DATASETS = ("random-ids", "random", "sharegpt", "copy-edit", "copy-edit-mmlu")
 
 
 @dataclass(frozen=True)
@@ -46,8 +51,10 @@ class Dataset:
     dataset_name: str = setting(
         "random-ids", "random-ids: random token ids (no file); random: ShareGPT text cut to the "
         "drawn lengths; sharegpt: ShareGPT turns as they are; copy-edit: copy braid's own "
-        "source with one rename (no file; for n-gram speculative decoding)", choices=DATASETS)
-    dataset_path: str | None = setting(None, "a ShareGPT JSON file")
+        "source with one rename (no file; for n-gram speculative decoding); copy-edit-mmlu: "
+        "copy MMLU questions with one word replaced", choices=DATASETS)
+    dataset_path: str | None = setting(
+        None, "a ShareGPT JSON file (random, sharegpt) or the MMLU folder (copy-edit-mmlu)")
     num_prompts: int = setting(100, "requests to send", at_least=1)
     random_input_len: int = setting(1024, "prompt length in tokens", at_least=1)
     random_output_len: int = setting(1024, "tokens to generate per request", at_least=1)
@@ -91,7 +98,11 @@ def sample_requests(dataset: Dataset, tokenizer) -> list[BenchRequest]:
     input_lens = random_lens(input_len, range_ratio, num_prompts)
     output_lens = random_lens(output_len, range_ratio, num_prompts)
     if name == "copy-edit":
-        return _copy_edit(tokenizer, input_len, input_lens, output_lens)
+        return _copy_edit(tokenizer, input_len, input_lens, output_lens, _draw_braid_snippet)
+    if name == "copy-edit-mmlu":
+        questions = _mmlu_questions(dataset_path)
+        return _copy_edit(tokenizer, input_len, input_lens, output_lens,
+                          lambda: ("prose", _draw_mmlu_snippet(questions)))
     if name == "random-ids":
         vocab = len(tokenizer)
         offsets = np.random.randint(0, vocab, size=num_prompts)
@@ -207,16 +218,47 @@ def _chat_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text))
 
 
-def _draw_snippet(kind: str) -> list[str]:
-    """The lines of one snippet: a window of consecutive lines of a module (dedented, without
-    blank lines at its ends) or a whole docstring."""
+def _draw_braid_snippet() -> tuple[str, list[str]]:
+    """The kind and lines of one snippet of braid's source: a window of consecutive lines of a
+    module (dedented, without blank lines at its ends) or a whole docstring."""
+    kind = random.choice(("code", "prose"))
     code, prose = _braid_sources()
     if kind == "prose":
-        return random.choice(prose)
+        return kind, random.choice(prose)
     lines = random.choice(code)
     size = random.randint(*COPY_EDIT_LINES)
     start = random.randint(0, max(0, len(lines) - size))
-    return textwrap.dedent("\n".join(lines[start:start + size])).strip("\n").splitlines()
+    return kind, textwrap.dedent("\n".join(lines[start:start + size])).strip("\n").splitlines()
+
+
+COPY_EDIT_QUESTIONS = (3, 12)  # consecutive MMLU questions a copy-edit-mmlu snippet holds
+
+
+@functools.lru_cache(maxsize=1)
+def _mmlu_questions(path: str | None) -> tuple[tuple[list[str], ...], ...]:
+    """Each subject's test questions as lines (the question, then its lettered choices), from
+    the MMLU folder at `path` (its `test/` CSVs: question, A, B, C, D, answer)."""
+    if path is None:
+        raise UserError("--dataset-name copy-edit-mmlu needs --dataset-path: the MMLU folder "
+                        "(its test/ CSVs)")
+    files = sorted((Path(path) / "test").glob("*.csv"))
+    if not files:
+        raise UserError(f"--dataset-path {path}: no MMLU test CSVs in {Path(path) / 'test'}")
+    subjects = []
+    for file in files:
+        with file.open(newline="", encoding="utf-8") as rows:
+            subjects.append(tuple([row[0], *(f"{letter}) {choice}" for letter, choice
+                                             in zip("ABCD", row[1:5]))]
+                                  for row in csv.reader(rows) if len(row) >= 5))
+    return tuple(subjects)
+
+
+def _draw_mmlu_snippet(subjects: tuple[tuple[list[str], ...], ...]) -> list[str]:
+    """The lines of a run of consecutive questions of one subject."""
+    questions = random.choice(subjects)
+    size = random.randint(*COPY_EDIT_QUESTIONS)
+    start = random.randint(0, max(0, len(questions) - size))
+    return [line for question in questions[start:start + size] for line in question]
 
 
 def _fit_copy_edit(kind: str, lines: list[str], budget: int,
@@ -243,8 +285,9 @@ def _fit_copy_edit(kind: str, lines: list[str], budget: int,
     return None
 
 
-def _copy_edit(tokenizer, input_len: int, input_lens: np.ndarray,
-               output_lens: np.ndarray) -> list[BenchRequest]:
+def _copy_edit(tokenizer, input_len: int, input_lens: np.ndarray, output_lens: np.ndarray,
+               draw: Callable[[], tuple[str, list[str]]]) -> list[BenchRequest]:
+    """Copy-edit requests of the drawn lengths, over snippets from `draw` (kind, lines)."""
     overhead = max(len(_chat_ids(tokenizer, t.format(old="", new="", snippet="")))
                    for t in _INSTRUCTIONS.values())
     shortest = overhead + COPY_EDIT_MIN_SNIPPET
@@ -257,8 +300,8 @@ def _copy_edit(tokenizer, input_len: int, input_lens: np.ndarray,
         budget = max(int(drawn_in), shortest)
         # A snippet with a line too long for the budget is drawn again.
         for _ in range(100):
-            kind = random.choice(("code", "prose"))
-            fitted = _fit_copy_edit(kind, _draw_snippet(kind), budget, tokenizer)
+            kind, lines = draw()
+            fitted = _fit_copy_edit(kind, lines, budget, tokenizer)
             if fitted:
                 break
         else:
