@@ -219,10 +219,6 @@ class MessagesRequest(CountTokensRequest):
         return chat
 
 
-def message_id() -> str:
-    return f"msg_{secrets.token_hex(12)}"
-
-
 def _tool_use(call: ToolCall, arguments: Any) -> dict:
     return {"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name,
             "input": arguments}
@@ -241,7 +237,7 @@ class MessagesResponder:
                  report_cached: bool) -> None:
         self.model_name, self.run, self.tools = model_name, run, tools
         self.report_cached = report_cached
-        self.id = message_id()
+        self.id = f"msg_{secrets.token_hex(12)}"
 
     def usage(self) -> dict:
         """Anthropic's usage: input tokens not read from the cache, and those read."""
@@ -293,7 +289,7 @@ class MessagesResponder:
             state = event.state
             if state.finish_reason == "error":
                 yield error_body(400 if state.invalid else 500,
-                                      f"generation failed: {state.error}")
+                                 f"generation failed: {state.error}")
                 return
             steps = blocks.feed(event.text)
             if state.finished:
@@ -307,18 +303,24 @@ class MessagesResponder:
         yield {"type": "message_stop"}
 
     def _block_event(self, step: BlockEvent) -> dict:
+        if step.kind == "stop":
+            return {"type": "content_block_stop", "index": step.index}
         if step.kind == "start":
-            block = {"reasoning": _thinking(""), "text": {"type": "text", "text": ""}}.get(
-                step.block) or {"type": "tool_use", "id": _tool_use_id(step.call_id),
-                                "name": step.name, "input": {}}
+            if step.block == "reasoning":
+                block = _thinking("")
+            elif step.block == "text":
+                block = {"type": "text", "text": ""}
+            else:
+                block = {"type": "tool_use", "id": _tool_use_id(step.call_id),
+                         "name": step.name, "input": {}}
             return {"type": "content_block_start", "index": step.index, "content_block": block}
-        if step.kind == "delta":
-            delta = {"reasoning": {"type": "thinking_delta", "thinking": step.text},
-                     "text": {"type": "text_delta", "text": step.text},
-                     "call": {"type": "input_json_delta", "partial_json": step.text}}
-            return {"type": "content_block_delta", "index": step.index,
-                    "delta": delta[step.block]}
-        return {"type": "content_block_stop", "index": step.index}
+        if step.block == "reasoning":
+            delta = {"type": "thinking_delta", "thinking": step.text}
+        elif step.block == "text":
+            delta = {"type": "text_delta", "text": step.text}
+        else:
+            delta = {"type": "input_json_delta", "partial_json": step.text}
+        return {"type": "content_block_delta", "index": step.index, "delta": delta}
 
 
 def _thinking(text: str) -> dict:
