@@ -118,9 +118,13 @@ def _register_fakes() -> None:
     def _(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
-    @fake("braid::gemv_bf16")
+    @fake("braid::few_rows_linear")
     def _(x, weight):
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @fake("braid::linear_by_rows")
+    def _(x, weight, packed, few_rows, packed_rows, swiglu):
+        return x.new_empty(x.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0])
 
     @fake("braid::gemv_int8")
     def _(x, values, scales):

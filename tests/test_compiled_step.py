@@ -7,14 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from braid.config import EngineConfig
 from braid.distributed.comm import SkipCommunicator
 from braid.engine.core import auto_compile_pays
 from braid.layers import decode_kernel, kv_layout
 from braid.layers.forward_batch import ForwardBatch
-from braid.layers.kernel_plan import KernelPlan
-from braid.layers.quant import Quantizable, make_weight_forms
 from braid.loader.model_config import load_model_config
 from braid.models.registry import model_class
 from braid.overlap.operations import YIELD
@@ -153,74 +152,104 @@ def test_the_kernel_plan_reads_decode_through_the_operator_where_it_fits(tiny_mo
     gpu = plan(device="cuda")  # eager, SDPA, no elementwise compiling unless asked
     assert gpu.decode_attention == "gathered" and gpu.kv_layout == kv_layout.TOKEN_MAJOR
     assert "CPU" in gpu.not_compiled and gpu.fused_elementwise == "off"
-    assert not (gpu.operators or gpu.packed_weights or gpu.gemv)
+    assert not (gpu.operators or gpu.packed_weights or gpu.few_rows)
 
 
 needs_avx512_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
-                                       reason="the GEMV operator needs AVX512-BF16")
+                                       reason="the few-row and int8 kernels need AVX512-BF16")
 
 
 @needs_avx512_bf16
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows, columns", [(3072, 576), (45, 64), (7, 1536), (13, 96)])
-def test_the_gemv_operator_matches_the_reference(rows, columns):
-    """One row against a row-major weight, bf16 or int8 with scales, against the fp64
-    product: 8 rows at a time, then the remainder (45, 7, 13) one by one; int8 rows a cache
-    line at a time, then the rest of a row (96) in chunks."""
+def test_the_few_row_kernel_matches_the_reference(rows, columns, dtype):
+    """1 to 16 input rows (one group of up to 4, several, a partial last one) against a
+    row-major weight, tiles of 8 or 4 weight rows and the remainder (45, 7, 13) one by one,
+    against the fp64 product; a non-contiguous input too."""
+    assert decode_kernel.load()
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(rows, columns, generator=gen).to(dtype)
+    assert decode_kernel.few_rows_fits(weight)
+    for m in (1, 2, 3, 4, 5, 8, 11, 16):
+        x = torch.randn(m, 2 * columns, generator=gen).to(dtype)[:, ::2]
+        out = decode_kernel.few_rows_linear(x, weight)
+        assert out.dtype == dtype and out.shape == (m, rows)
+        # fp32 sums, rounded once to the output's dtype at the end
+        rtol = 2 ** -8 if dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(out.double(), x.double() @ weight.double().t(),
+                                   atol=1e-3 * columns ** 0.5, rtol=rtol)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("rows, columns", [(3072, 576), (45, 64), (13, 96)])
+def test_the_int8_gemv_matches_the_reference(rows, columns):
+    """One bf16 row against int8 rows with scales: 8 rows at a time, then the remainder one by
+    one; a cache line of each row at a time, then the rest of a row (96) in chunks."""
     from braid.layers.quant import Int8Weight
 
     assert decode_kernel.load()
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(1, columns, generator=gen).to(torch.bfloat16)
-    weight = torch.randn(rows, columns, generator=gen).to(torch.bfloat16)
-    int8 = Int8Weight.quantize(weight)
-    assert decode_kernel.gemv_fits(weight) and decode_kernel.gemv_fits(int8.values)
-    for out, dense in ((decode_kernel.gemv(x, weight), weight.double()),
-                       (decode_kernel.gemv(x, int8.values, int8.scales),
-                        int8.dequantize().double())):
-        assert out.dtype == torch.bfloat16 and out.shape == (1, rows)
-        # fp32 sums rounded once to bf16 (2^-8 relative) at the end
-        torch.testing.assert_close(out.double(), x.double() @ dense.t(),
-                                   atol=1e-3 * columns ** 0.5, rtol=2 ** -8)
+    int8 = Int8Weight.quantize(torch.randn(rows, columns, generator=gen).to(torch.bfloat16))
+    out = decode_kernel.gemv_int8(x, int8.values, int8.scales)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, rows)
+    torch.testing.assert_close(out.double(), x.double() @ int8.dequantize().double().t(),
+                               atol=1e-3 * columns ** 0.5, rtol=2 ** -8)
 
 
 @needs_avx512_bf16
-def test_the_gemv_operator_refuses_what_it_does_not_compute():
-    from braid.layers import decode_kernel
-
+def test_the_few_row_kernels_refuse_what_they_do_not_compute():
     assert decode_kernel.load()
     weight = torch.zeros(8, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="one input row"):
-        decode_kernel.gemv(torch.zeros(2, 64, dtype=torch.bfloat16), weight)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        decode_kernel.gemv(torch.zeros(1, 48, dtype=torch.bfloat16), weight[:, :48].clone())
+        decode_kernel.few_rows_linear(torch.zeros(1, 48, dtype=torch.bfloat16),
+                                      weight[:, :48].clone())
+    with pytest.raises(RuntimeError, match="of the input's dtype"):
+        decode_kernel.few_rows_linear(torch.zeros(2, 64), weight)
+    with pytest.raises(RuntimeError, match="an input \\[M, K\\] and a weight"):
+        decode_kernel.few_rows_linear(torch.zeros(2, 32, dtype=torch.bfloat16), weight)
+    with pytest.raises(RuntimeError, match="one input row"):
+        decode_kernel.gemv_int8(torch.zeros(2, 64, dtype=torch.bfloat16),
+                                torch.zeros(8, 64, dtype=torch.int8), torch.ones(8))
     with pytest.raises(RuntimeError, match="a bf16 scale per output row"):
-        decode_kernel.gemv(torch.zeros(1, 64, dtype=torch.bfloat16),
-                           torch.zeros(8, 64, dtype=torch.int8), torch.ones(4))
-    assert not decode_kernel.gemv_fits(weight.float())
-    assert not decode_kernel.gemv_fits(weight.t())
-    assert not decode_kernel.gemv_fits(torch.zeros(8, 40, dtype=torch.int8))
+        decode_kernel.gemv_int8(torch.zeros(1, 64, dtype=torch.bfloat16),
+                                torch.zeros(8, 64, dtype=torch.int8), torch.ones(4))
+    assert not decode_kernel.few_rows_fits(weight.half())
+    assert not decode_kernel.few_rows_fits(weight.t())
+    assert not decode_kernel.few_rows_fits(torch.zeros(8, 40))
 
 
 @needs_avx512_bf16
-def test_one_row_products_in_a_compiled_graph_take_the_gemv(tiny_model):
-    """The linear layers' one-row products take the operator when traced, several rows keep
-    the dense GEMM; the results agree with eager."""
-    from braid.layers.quant import linear
+@pytest.mark.parametrize("gated", [False, True])
+def test_products_by_row_count_in_a_compiled_graph(gated):
+    """A graph whose row count is a symbol holds one `linear_by_rows` call, which computes
+    every row count like eager ATen: the few-row kernel up to the layer's limit, the packed
+    weight (or its packed halves, for SwiGLU) beyond."""
+    from braid.layers.linear import ReplicatedLinear
+    from braid.layers.quant import pack_linear_layers, swiglu
 
-    make_weight_forms(tiny_model, KernelPlan(gemv=True))
-    assert all(m.gemv for m in tiny_model.modules() if isinstance(m, Quantizable))
-    weight = torch.randn(96, 64).to(torch.bfloat16)
+    layer = ReplicatedLinear(64, 96, dtype=torch.bfloat16)
+    layer.weight.data.copy_(torch.randn(96, 64))
+    layer.gated = gated
+    assert pack_linear_layers(layer, None)
+    layer.few_rows = 4
     graphs = []
 
     def record(gm, example_inputs):
-        graphs.append({str(node.target) for node in gm.graph.nodes})
+        graphs.append([str(node.target) for node in gm.graph.nodes])
         return gm.forward
 
-    @torch.compile(backend=record, fullgraph=True, dynamic=False)
     def product(x):
-        return linear(x, weight, gemv=True)
+        return swiglu(layer, x) if gated else layer(x)
 
-    for rows in (1, 3):
+    compiled = torch.compile(product, backend=record, fullgraph=True, dynamic=True)
+    for rows in (1, 3, 4, 9):
         x = torch.randn(rows, 64).to(torch.bfloat16)
-        torch.testing.assert_close(product(x), linear(x, weight), atol=2e-2, rtol=2 ** -7)
-    assert ["braid.gemv_bf16" in targets for targets in graphs] == [True, False]
+        reference = F.linear(x.float(), layer.weight.float())
+        if gated:
+            gate, up = reference.chunk(2, dim=-1)
+            reference = F.silu(gate) * up
+        torch.testing.assert_close(compiled(x).float(), reference, atol=5e-2, rtol=2 ** -6)
+    # One graph for a single row (dynamo specialises a size of 1), one for every other count
+    assert len(graphs) == 2
+    assert all(targets.count("braid.linear_by_rows") == 1 for targets in graphs)

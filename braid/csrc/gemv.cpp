@@ -1,59 +1,127 @@
-// y = x W^T for one bf16 row x and a row-major weight W, bf16 or int8 with a scale per output
-// row: the compiled decode step's GEMMs at batch 1 (braid/native.py builds this
-// file with the attention operator).
+// y = x W^T for a few rows x (decode at small batch, speculative verification) and a row-major
+// weight W, bf16 or fp32, or for one bf16 row and an int8 W with a scale per output row: the
+// GEMMs of decode steps (braid/native.py builds this file with the attention operator).
 //
-// At one row a linear layer is a stream of its weight. Here each thread takes a contiguous
-// range of output rows (one sequential stream), eight rows at a time, the input chunk loaded
-// once for the eight; a bf16 chunk of 32 is summed with one AVX512-BF16 dot-product
-// instruction per row, an int8 chunk of 16 is widened to fp32 and multiplied with the input
-// in fp32 (as `aten._weight_int8pack_mm` computes it).
+// At a few rows a linear layer is a stream of its weight. Here each thread takes a contiguous
+// range of output rows (one sequential stream), a tile of them at a time; each 64-byte chunk of
+// the tile's weight rows is loaded once and multiplied with the same chunk of every input row
+// (one AVX512-BF16 dot-product instruction per pair for bf16, an FMA for fp32), so the weight is
+// read from memory once whatever the row count, and from L1/L2 again for input rows past the
+// first four. An int8 chunk of 16 is widened to fp32 and multiplied with the input in fp32 (as
+// `aten._weight_int8pack_mm` computes it).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 namespace {
 
-#if defined(__AVX512BF16__)
-constexpr int64_t CHUNK = 32;  // bf16 elements in a 512-bit register
-constexpr int ROWS = 8;        // output rows summed together, sharing each input chunk
-constexpr int64_t LINE = 64;   // bytes in a cache line
-// The tile of ROWS rows read two tiles from now is prefetched, a line per row for each line
-// of each row read: the hardware prefetchers, which follow each row alone, kept 2-core Intel
-// Xeon (AMX) at 24 GB/s for the LM head, 49152 x 576, and at half the read bandwidth for
-// gate_up; with this, 29-33 GB/s and gate_up at the speed of a plain read of its weight.
+#if defined(__AVX512F__)
+constexpr int64_t LINE = 64;  // bytes in a cache line, and in one vector of either type
+// The tile read two tiles from now is prefetched, a line per weight row for each line read:
+// the hardware prefetchers, which follow each row alone, kept 2-core Intel Xeon (AMX) at
+// 24 GB/s for the LM head, 49152 x 576, and at half the read bandwidth for gate_up; with this,
+// 29-33 GB/s and gate_up at the speed of a plain read of its weight.
 constexpr int64_t PREFETCH_TILES = 2;
+constexpr int MAX_GROUP = 4;  // input rows sharing each loaded weight vector
 
-// y[n] for n in [n0, n1): ROWS rows at a time, then the rest one by one.
-void gemv_rows(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t K,
-               int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + ROWS <= n1; n += ROWS) {
-    __m512 acc[ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-    const at::BFloat16* rows = w + n * K;
-    const char* ahead = reinterpret_cast<const char*>(rows + PREFETCH_TILES * ROWS * K);
-    for (int64_t k = 0; k < K; k += CHUNK, ahead += ROWS * LINE) {
-      for (int r = 0; r < ROWS; ++r) _mm_prefetch(ahead + r * LINE, _MM_HINT_T0);
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
-      for (int r = 0; r < ROWS; ++r) {
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(rows + r * K + k), xv);
-      }
+// One vector of elements and the product-sum of two: bf16 pairs through `vdpbf16ps` (32
+// elements a vector), fp32 through an FMA (16).
+struct Fp32Dot {
+  using T = float;
+  using V = __m512;
+  static constexpr int64_t CHUNK = 16;
+  static V load(const T* p) { return _mm512_loadu_ps(p); }
+  static __m512 dot(__m512 acc, V w, V x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+#if defined(__AVX512BF16__)
+struct Bf16Dot {
+  using T = at::BFloat16;
+  using V = __m512bh;
+  static constexpr int64_t CHUNK = 32;
+  static V load(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static __m512 dot(__m512 acc, V w, V x) { return _mm512_dpbf16_ps(acc, w, x); }
+};
+#endif
+
+// y[m, n + r] for MR input rows from x (row stride ldx) and the NR weight rows from n.
+template <typename D, int MR, int NR>
+void tile(const typename D::T* x, int64_t ldx, const typename D::T* w, typename D::T* y,
+          int64_t ldy, int64_t K, int64_t n, bool prefetch) {
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+  const typename D::T* rows = w + n * K;
+  const char* ahead = reinterpret_cast<const char*>(rows + PREFETCH_TILES * NR * K);
+  for (int64_t k = 0; k < K; k += D::CHUNK, ahead += NR * LINE) {
+    if (prefetch) {
+      for (int r = 0; r < NR; ++r) _mm_prefetch(ahead + r * LINE, _MM_HINT_T0);
     }
-    for (int r = 0; r < ROWS; ++r) y[n + r] = at::BFloat16(_mm512_reduce_add_ps(acc[r]));
+    typename D::V xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = D::load(x + m * ldx + k);
+    for (int r = 0; r < NR; ++r) {
+      const typename D::V wv = D::load(rows + r * K + k);
+      for (int m = 0; m < MR; ++m) acc[m][r] = D::dot(acc[m][r], wv, xv[m]);
+    }
   }
-  for (; n < n1; ++n) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += CHUNK) {
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + n * K + k),
-                             (__m512bh)_mm512_loadu_si512(x + k));
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) y[m * ldy + n + r] = typename D::T(_mm512_reduce_add_ps(acc[m][r]));
+}
+
+// Every input row against weight rows [n, n + NR): groups of up to MAX_GROUP input rows, the
+// first streaming the weight (prefetching), the others reading it back from cache.
+template <typename D, int NR>
+void rows_tile(const typename D::T* x, int64_t M, const typename D::T* w, typename D::T* y,
+               int64_t N, int64_t K, int64_t n) {
+  for (int64_t m = 0; m < M; m += MAX_GROUP) {
+    const typename D::T* xm = x + m * K;
+    typename D::T* ym = y + m * N;
+    const bool prefetch = m == 0;
+    switch (std::min<int64_t>(M - m, MAX_GROUP)) {
+      case 1: tile<D, 1, NR>(xm, K, w, ym, N, K, n, prefetch); break;
+      case 2: tile<D, 2, NR>(xm, K, w, ym, N, K, n, prefetch); break;
+      case 3: tile<D, 3, NR>(xm, K, w, ym, N, K, n, prefetch); break;
+      default: tile<D, 4, NR>(xm, K, w, ym, N, K, n, prefetch); break;
     }
-    y[n] = at::BFloat16(_mm512_reduce_add_ps(acc));
   }
 }
 
+// Weight rows [n0, n1): NR at a time (eight for one or two input rows, four for more: the
+// accumulators must fit the 32 vector registers), then the rest one by one.
+template <typename D>
+void few_rows(const typename D::T* x, int64_t M, const typename D::T* w, typename D::T* y,
+              int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (M <= 2) {
+    for (; n + 8 <= n1; n += 8) rows_tile<D, 8>(x, M, w, y, N, K, n);
+  } else {
+    for (; n + 4 <= n1; n += 4) rows_tile<D, 4>(x, M, w, y, N, K, n);
+  }
+  for (; n < n1; ++n) rows_tile<D, 1>(x, M, w, y, N, K, n);
+}
+
+template <typename D>
+at::Tensor few_rows_gemm(const at::Tensor& x, const at::Tensor& weight) {
+  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const auto* xp = xc.data_ptr<typename D::T>();
+  const auto* wp = weight.data_ptr<typename D::T>();
+  auto* yp = y.data_ptr<typename D::T>();
+  const int64_t tile_rows = M <= 2 ? 8 : 4;
+  const int64_t tiles = (N + tile_rows - 1) / tile_rows;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    few_rows<D>(xp, M, wp, yp, N, K, t0 * tile_rows, std::min(N, t1 * tile_rows));
+  });
+  return y;
+}
+#endif
+
+#if defined(__AVX512BF16__)
+constexpr int ROWS = 8;  // int8 weight rows summed together, sharing each input chunk
 constexpr int64_t INT8_CHUNK = 16;  // int8 elements widened to one register of fp32
 
 inline __m512 widen(const int8_t* p) {
@@ -110,26 +178,6 @@ void check_shapes(const char* op, const at::Tensor& x, const at::Tensor& weight,
               op, ": a row-major weight with K a multiple of ", chunk);
 }
 
-at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight) {
-#if defined(__AVX512BF16__)
-  check_shapes("gemv_bf16", x, weight, CHUNK);
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "gemv_bf16: a bf16 weight");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({1, N}, x.options());
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const int64_t tiles = (N + ROWS - 1) / ROWS;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    gemv_rows(xp, wp, yp, K, t0 * ROWS, std::min(N, t1 * ROWS));
-  });
-  return y;
-#else
-  TORCH_CHECK(false, "gemv_bf16: built for a CPU without AVX512-BF16");
-#endif
-}
-
 at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
 #if defined(__AVX512BF16__)
   check_shapes("gemv_int8", x, values, INT8_CHUNK);
@@ -156,14 +204,79 @@ at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& values, const at::Te
 #endif
 }
 
+// x [M, K] @ weight^T for a row-major weight [N, K] of x's dtype (bf16 on a CPU with
+// AVX512-BF16, or fp32), K a multiple of a vector's elements: fast for a few rows.
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "few_rows_linear: an input [M, K] and a weight [N, K], got ", x.sizes(), " and ",
+              weight.sizes());
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && weight.is_contiguous(),
+              "few_rows_linear: a row-major weight of the input's dtype, got ",
+              weight.scalar_type(), " for ", x.scalar_type());
+#if defined(__AVX512F__)
+  if (x.scalar_type() == at::kFloat) {
+    TORCH_CHECK(x.size(1) % Fp32Dot::CHUNK == 0, "few_rows_linear: K a multiple of ",
+                Fp32Dot::CHUNK, ", got ", x.size(1));
+    return few_rows_gemm<Fp32Dot>(x, weight);
+  }
+#endif
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(x.size(1) % Bf16Dot::CHUNK == 0, "few_rows_linear: K a multiple of ",
+                Bf16Dot::CHUNK, ", got ", x.size(1));
+    return few_rows_gemm<Bf16Dot>(x, weight);
+  }
+#endif
+  TORCH_CHECK(false, "few_rows_linear: not built for ", x.scalar_type(), " on this CPU");
+}
+
+// silu(gate) * up of a merged [gate | up] product [M, 2I].
+at::Tensor silu_times_up(const at::Tensor& merged) {
+  const int64_t half = merged.size(1) / 2;
+  return at::silu(merged.narrow(1, 0, half)) * merged.narrow(1, half, half);
+}
+
+// A linear layer's product by row count, decided here because a compiled graph's row count is
+// a symbol (a branch in Python would be traced once): up to `few_rows` rows through
+// few_rows_linear over the row-major `weight`; more through the oneDNN-packed weight numbered
+// `packed` where there is one and the rows are at most `packed_rows` (-1: any count), else
+// at::linear. With `swiglu` the weight is a merged [gate | up] projection, `packed` (where
+// given) numbers its two halves, and the result is silu(gate) * up.
+at::Tensor linear_by_rows(const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& packed, int64_t few_rows,
+                          int64_t packed_rows, bool swiglu) {
+  const int64_t M = x.size(0);
+  if (M <= few_rows) {
+    const at::Tensor y = few_rows_linear(x, weight);
+    return swiglu ? silu_times_up(y) : y;
+  }
+  if (packed.has_value() && (packed_rows < 0 || M <= packed_rows)) {
+    static auto packed_linear =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("braid::packed_linear", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                              const std::optional<at::Tensor>&, const std::string&,
+                              const std::optional<at::Tensor>&)>();
+    if (!swiglu) return packed_linear.call(x, *packed, weight.size(0), {}, "none", {});
+    const int64_t half = weight.size(0) / 2;
+    const at::Tensor gate = packed_linear.call(x, packed->narrow(0, 0, 1), half, {}, "swish", {});
+    return packed_linear.call(x, packed->narrow(0, 1, 1), half, {}, "mul", gate);
+  }
+  const at::Tensor y = at::linear(x, weight);
+  return swiglu ? silu_times_up(y) : y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(braid, m) {
-  m.def("gemv_bf16(Tensor x, Tensor weight) -> Tensor");
+  m.def("few_rows_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("linear_by_rows(Tensor x, Tensor weight, Tensor? packed, int few_rows, int packed_rows, "
+        "bool swiglu) -> Tensor");
   m.def("gemv_int8(Tensor x, Tensor values, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(braid, CPU, m) {
-  m.impl("gemv_bf16", &gemv_bf16);
+  m.impl("few_rows_linear", &few_rows_linear);
+  m.impl("linear_by_rows", &linear_by_rows);
   m.impl("gemv_int8", &gemv_int8);
 }

@@ -3,17 +3,18 @@
 
 - `torch.ops.braid.paged_decode_attention`: decode attention over the paged KV cache, of the
   model's dtype or int8 (`csrc/paged_decode_attention.cpp`), in eager and compiled decode steps;
-- `torch.ops.braid.gemv_bf16` and `gemv_int8`: a linear layer's product for one row with its
-  row-major bf16 weight or its int8 one (`csrc/gemv.cpp`), on CPUs with AVX512-BF16, in
-  compiled graphs;
+- `torch.ops.braid.few_rows_linear` (and `linear_by_rows`, which picks it by row count): a
+  linear layer's product for a few rows with its row-major bf16 (AVX512-BF16) or fp32 (AVX-512)
+  weight, and `gemv_int8` for one bf16 row with the int8 weights (`csrc/gemv.cpp`), eager and
+  in compiled graphs;
 - `torch.ops.braid.causal_prefill_attention`: causal attention of fresh prompts or chunks over
   their keys, bf16 on CPUs with AVX512-BF16 (`csrc/prefill_attention.cpp`), in eager prefill.
 
 Inductor's code for the same reductions (`traced_decode_attention`) is bound by add latency and
-memory stalls; the operator takes a third of its time. At one row a GEMM streams its weight,
-which the GEMV does with less overhead than oneDNN's packed GEMM (docs/kernel-choices.md,
-"Attention" and "The one-row GEMV"). Where the library cannot be built the steps keep the
-traced kernel and oneDNN's GEMMs.
+memory stalls; the operator takes a third of its time. At a few rows a GEMM streams its weight,
+which the few-row kernel does with less overhead than oneDNN's GEMMs, packed or not
+(docs/kernel-choices.md, "Attention" and "GEMMs of a few rows"). Where the library cannot be
+built the steps keep the traced kernel and oneDNN's GEMMs.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from braid.platform import cpu_flags
 # Block sizes and head dims must be multiples of the vector width (16 floats at most).
 _VECTOR_FLOATS = 16
 _MAX_GROUP = 8  # query heads per KV head the kernel is instantiated for
-# elements of a weight row the GEMV reads per instruction: its K must be a multiple
-_GEMV_CHUNK = {torch.bfloat16: 32, torch.int8: 16}
+# elements of a weight row the few-row kernel reads per instruction: its K must be a multiple
+_FEW_ROWS_CHUNK = {torch.bfloat16: 32, torch.float32: 16}
 
 
 def load() -> bool:
@@ -85,22 +86,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                                   block_tables, seq_lens, scale)
 
 
-def gemv_fits(weight: torch.Tensor) -> bool:
-    """Whether the GEMV takes this weight: row-major bf16, or int8 values, on a CPU with
-    AVX512-BF16 (where it was measured faster; the library is built for the host's ISA)."""
-    return (weight.device.type == "cpu" and weight.dtype in _GEMV_CHUNK
+def few_rows_fits(weight: torch.Tensor) -> bool:
+    """Whether the few-row kernel takes this weight: row-major bf16 on a CPU with AVX512-BF16
+    or fp32 on one with AVX-512 (the library is built for the host's ISA), its rows a multiple
+    of a vector's elements."""
+    flag = {torch.bfloat16: "avx512_bf16", torch.float32: "avx512f"}.get(weight.dtype)
+    return (weight.device.type == "cpu" and flag in cpu_flags()
             and weight.dim() == 2 and weight.is_contiguous()
-            and weight.shape[1] % _GEMV_CHUNK[weight.dtype] == 0
-            and "avx512_bf16" in cpu_flags())
+            and weight.shape[1] % _FEW_ROWS_CHUNK[weight.dtype] == 0)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor,
-         scales: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [1, K] bf16; weight: [N, K] row-major, bf16, or int8 with `scales` [N] (bf16) ->
-    x @ (scales * weight).T, [1, N] bf16."""
-    if scales is None:
-        return torch.ops.braid.gemv_bf16(x, weight)
-    return torch.ops.braid.gemv_int8(x, weight, scales)
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [M, K]; weight: [N, K] row-major of x's dtype (`few_rows_fits`) -> x @ weight.T."""
+    return torch.ops.braid.few_rows_linear(x, weight)
+
+
+def gemv_int8(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x: [1, K] bf16; values: [N, K] int8 (K a multiple of 16), scales: [N] bf16 ->
+    x @ (scales * values).T, [1, N] bf16 (on a CPU with AVX512-BF16)."""
+    return torch.ops.braid.gemv_int8(x, values, scales)
 
 
 def prefill_fits(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:

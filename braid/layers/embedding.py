@@ -8,7 +8,7 @@ from torch import nn
 
 from braid.distributed.comm import Communicator
 from braid.layers.partition import split_range, split_sizes
-from braid.layers.quant import Quantizable, int8_applies, linear
+from braid.layers.quant import Quantizable, int8_applies
 from braid.loader.weights import LazyWeight
 
 
@@ -77,13 +77,12 @@ class ParallelLMHead(nn.Module, Quantizable):
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[tokens, this rank's vocabulary], contiguous or a transposed view."""
-        # The packed weight is the fastest form (docs/kernel-choices.md, "Packed bf16
-        # weights"). A compiled step (braid.worker.compiled_step) takes the linear form too:
-        # inductor packs a linear's weight, not a plain product's.
-        if (self.packed is not None or int8_applies(hidden, self.int8)
+        # The few-row kernel and the packed weight are the fastest forms
+        # (docs/kernel-choices.md). A compiled step (braid.worker.compiled_step) takes the
+        # linear form too: inductor packs a linear's weight, not a plain product's.
+        if (self.few_rows or self.packed is not None or int8_applies(hidden, self.int8)
                 or torch.compiler.is_compiling()):
-            return linear(hidden, self.quantizable_weight(), int8=self.int8,
-                          packed=self.packed, gemv=self.gemv, packed_rows=self.packed_rows)
+            return self.apply_linear(hidden)
         # Unpacked (fp32, --no-weight-packing): weight @ hidden^T, which MKL runs faster than
         # F.linear for the few rows of a decode step.
         return torch.mm(self.quantizable_weight(), hidden.t()).t()

@@ -35,8 +35,8 @@ class KernelPlan:
     # `packed_max_rows` rows (None: of any number)
     packed_weights: bool = False
     packed_max_rows: int | None = None
-    # One-row GEMMs of a compiled graph through braid's GEMV operator
-    gemv: bool = False
+    # GEMMs of at most this many rows through braid's few-row kernel (0: none)
+    few_rows: int = 0
     # The elementwise work of eager steps compiled (`braid.layers.fused`): on, auto, off
     fused_elementwise: str = "off"
     # Why steps run eager (None: compiled steps, once `ModelRunner.prepare_compiled` ran)
@@ -48,6 +48,7 @@ class KernelPlan:
                   f"up to {self.packed_max_rows} rows" if self.packed_max_rows else "any rows")
         return (f"decode attention {self.decode_attention}, prefill attention "
                 f"{self.prefill_attention}, KV layout {self.kv_layout}, packed weights "
-                f"{packed}, int8 weights {'on' if self.int8_weights else 'off'}, GEMV "
-                f"{'on' if self.gemv else 'off'}, compiled steps "
+                f"{packed}, int8 weights {'on' if self.int8_weights else 'off'}, few-row "
+                f"GEMMs {f'up to {self.few_rows} rows' if self.few_rows else 'off'}, compiled "
+                "steps "
                 f"{self.not_compiled or 'on'}")

@@ -13,7 +13,7 @@ from torch import nn
 
 from braid.distributed.comm import Communicator, Pending
 from braid.layers.partition import HeadShard, split_range
-from braid.layers.quant import Quantizable, linear
+from braid.layers.quant import Quantizable
 from braid.loader.weights import LazyWeight
 
 
@@ -45,8 +45,7 @@ class ReplicatedLinear(nn.Module, Quantizable):
         _copy_checked(param.data, weight.load(), "replicated weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.int8, packed=self.packed, gemv=self.gemv,
-                      packed_rows=self.packed_rows)
+        return self.apply_linear(x, self.bias)
 
 
 class DataParallelLinear(nn.Module, Quantizable):
@@ -77,8 +76,7 @@ class DataParallelLinear(nn.Module, Quantizable):
                       f"fused replicated part {shard_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, int8=self.int8, packed=self.packed, gemv=self.gemv,
-                      packed_rows=self.packed_rows)
+        return self.apply_linear(x)
 
     def forward_async(self, x: torch.Tensor) -> Pending:
         """Start the token-split product; `wait(pending, x.shape[0])` returns all rows, as
@@ -131,8 +129,7 @@ class ColumnParallelLinear(nn.Module, Quantizable):
                       f"column shard {shard_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.int8, packed=self.packed, gemv=self.gemv,
-                      packed_rows=self.packed_rows)
+        return self.apply_linear(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -183,5 +180,5 @@ class RowParallelLinear(nn.Module, Quantizable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.comm.rank == 0 else None
-        y = linear(x, self.weight, bias, self.int8, self.packed, self.gemv, self.packed_rows)
+        y = self.apply_linear(x, bias)
         return self.comm.all_reduce(y) if self.reduce else y

@@ -64,7 +64,7 @@ class Int8Weight:
 
 class Quantizable:
     """Mixin of the layers whose weight `make_weight_forms` gives other forms; `forward` passes
-    them all to `linear`."""
+    them all to `linear` (`apply_linear`)."""
 
     int8: Int8Weight | None = None
     # The number oneDNN's blocked copy of the weight (kept beside the row-major one) is
@@ -74,17 +74,23 @@ class Quantizable:
     packable = True
     # GEMMs of at most this many rows read `packed` (None: of any number)
     packed_rows: int | None = None
-    # Where the rank's plan has the GEMV and `decode_kernel.gemv_fits` the weight its one-row
-    # GEMM reads (int8 or dense): that GEMM, traced into a compiled graph, is braid's GEMV
-    gemv = False
+    # GEMMs of at most this many rows run braid's few-row kernel over the row-major weight
+    # (`decode_kernel.few_rows_linear`), and a row traced into a compiled graph that reads the
+    # int8 weights runs the int8 GEMV; 0 where the plan or the weight rules it out
+    few_rows = 0
     # Set on a SwiGLU's merged [gate | up] projection (`GatedMLP`): packing then makes
-    # `packed_halves`, gate and up packed apart (their numbers), for `gated_silu` (and no
-    # merged copy)
+    # `packed_halves`, gate and up packed apart (their two numbers in one tensor), for
+    # `gated_silu` (and no merged copy)
     gated = False
-    packed_halves: tuple[torch.Tensor, torch.Tensor] | None = None
+    packed_halves: torch.Tensor | None = None
 
     def quantizable_weight(self) -> torch.Tensor:
         return self.weight
+
+    def apply_linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`x @ weight.T (+ bias)` through the form `linear` picks for `x`."""
+        return linear(x, self.quantizable_weight(), bias, self.int8, self.packed, self.few_rows,
+                      self.packed_rows)
 
 
 def int8_applies(x: torch.Tensor, int8: Int8Weight | None) -> bool:
@@ -98,28 +104,22 @@ def int8_applies(x: torch.Tensor, int8: Int8Weight | None) -> bool:
     return x.shape[0] <= INT8_MAX_ROWS
 
 
-def gemv_applies(x: torch.Tensor, gemv: bool) -> bool:
-    """Whether a layer whose `gemv` is set computes `x` through braid's GEMV operator: one row,
-    traced into a compiled graph."""
-    return gemv and torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] == 1
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            int8: Int8Weight | None = None, packed: torch.Tensor | None = None,
-           gemv: bool = False, packed_rows: int | None = None) -> torch.Tensor:
-    """`F.linear`, through the int8 weights where `int8_applies`, else through the packed
-    weight numbered `packed` where there is one and `packed_applies` (up to `packed_rows`
-    rows); with `gemv`, a row traced into a compiled graph goes through `decode_kernel.gemv`
-    instead (int8 or dense)."""
-    one_traced_row = gemv_applies(x, gemv)
+           few_rows: int = 0, packed_rows: int | None = None) -> torch.Tensor:
+    """`F.linear`, through the int8 weights where `int8_applies` (a row traced into a compiled
+    graph through the int8 GEMV where the layer has `few_rows`); else, with `few_rows`, through
+    `linear_by_rows`, which runs braid's few-row kernel up to that many rows and the packed
+    weight numbered `packed` (up to `packed_rows` rows) or ATen beyond; else through the packed
+    weight where there is one and `packed_applies`."""
     if int8_applies(x, int8):
-        if one_traced_row:
-            y = decode_kernel.gemv(x, int8.values, int8.scales)
+        if few_rows and torch.compiler.is_compiling():
+            y = decode_kernel.gemv_int8(x, int8.values, int8.scales)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, int8.values, int8.scales)
         return y if bias is None else y + bias
-    if one_traced_row:
-        y = decode_kernel.gemv(x, weight)
+    if few_rows:
+        y = _by_rows(x, weight, packed, few_rows, packed_rows, swiglu=False)
         return y if bias is None else y + bias
     if packed is not None and packed_applies(x, packed_rows):
         rows = x.reshape(-1, x.shape[-1])
@@ -128,22 +128,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def _by_rows(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, few_rows: int,
+             packed_rows: int | None, swiglu: bool) -> torch.Tensor:
+    """`linear_by_rows` over `x`'s rows (`csrc/gemv.cpp`): the row count is decided there, as
+    a compiled graph's is a symbol that a Python branch would fix at its traced value."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.ops.braid.linear_by_rows(rows, weight, packed, few_rows,
+                                       -1 if packed_rows is None else packed_rows, swiglu)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 def make_weight_forms(model: nn.Module, kernels: KernelPlan) -> bool:
     """Give the model's linear layers (the LM head included) the weight forms the rank's
     plan asks for, once its weights are loaded and on their device: int8 copies, oneDNN's
-    packed copies (for GEMMs of up to `kernels.packed_max_rows` rows) and the GEMV where a
-    layer's weight fits it. Whether any weight was packed."""
+    packed copies (for GEMMs of up to `kernels.packed_max_rows` rows) and the few-row kernel
+    where a layer's weight fits it. Whether any weight was packed."""
     layers = [m for m in model.modules() if isinstance(m, Quantizable)]
     if kernels.int8_weights:
         for layer in layers:
             layer.int8 = Int8Weight.quantize(layer.quantizable_weight())
     packed = kernels.packed_weights and pack_linear_layers(model, kernels.packed_max_rows)
-    if kernels.gemv:
-        for layer in layers:
-            layer.gemv = (decode_kernel.gemv_fits(layer.quantizable_weight())
-                          if layer.int8 is None else
-                          layer.int8.scales.dtype == torch.bfloat16  # not an fp16 model's
-                          and decode_kernel.gemv_fits(layer.int8.values))
+    for layer in layers:
+        fits = decode_kernel.few_rows_fits(layer.quantizable_weight())
+        layer.few_rows = kernels.few_rows if fits else 0
     return packed
 
 
@@ -184,7 +191,8 @@ def pack_linear_layers(model: nn.Module, max_rows: int | None) -> bool:
         if not packing_supported(weight):
             continue
         if layer.gated:
-            layer.packed_halves = tuple(register(half.contiguous()) for half in weight.chunk(2))
+            layer.packed_halves = torch.cat([register(half.contiguous())
+                                             for half in weight.chunk(2)])
         else:
             layer.packed = register(weight)
         layer.packed_rows = max_rows
@@ -199,23 +207,26 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 def swiglu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of a merged [gate | up] projection (`Quantizable.gated`), through the
-    weight form `linear` would read: the packed halves (`gated_silu`) where there are some,
-    they apply and neither the int8 weights nor the GEMV do, else the layer's product and
+    weight form `linear` would read, the activation applied by the C++ operator where neither
+    the int8 weights nor ATen compute it: by rows (`linear_by_rows`) with the few-row kernel,
+    else the packed halves (`gated_silu`) where they apply; otherwise the layer's product and
     `silu_mul`."""
-    if (layer.packed_halves is not None and packed_applies(x, layer.packed_rows)
-            and not int8_applies(x, layer.int8) and not gemv_applies(x, layer.gemv)):
-        return gated_silu(x, *layer.packed_halves, layer.weight.shape[0] // 2)
+    if not int8_applies(x, layer.int8):
+        if layer.few_rows:
+            return _by_rows(x, layer.weight, layer.packed_halves, layer.few_rows,
+                            layer.packed_rows, swiglu=True)
+        if layer.packed_halves is not None and packed_applies(x, layer.packed_rows):
+            return gated_silu(x, layer.packed_halves, layer.weight.shape[0] // 2)
     return silu_mul(layer(x))
 
 
-def gated_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-               columns: int) -> torch.Tensor:
-    """`silu(x @ gate.T) * (x @ up.T)` for the packed `gate` and `up` (`packed_halves`, of
-    `columns` outputs each): two oneDNN GEMMs, the first applying SiLU to its fp32 sums, the
-    second multiplying its sums by the first's output, so neither the merged projection nor the
-    activation is another pass over memory (faster than the merged GEMM and the compiled
-    `silu_mul` at prefill sizes: docs/kernel-choices.md, "Packed bf16 weights")."""
+def gated_silu(x: torch.Tensor, halves: torch.Tensor, columns: int) -> torch.Tensor:
+    """`silu(x @ gate.T) * (x @ up.T)` for the packed gate and up (the two numbers of
+    `halves`, of `columns` outputs each): two oneDNN GEMMs, the first applying SiLU to its fp32
+    sums, the second multiplying its sums by the first's output, so neither the merged
+    projection nor the activation is another pass over memory (faster than the merged GEMM and
+    the compiled `silu_mul` at prefill sizes: docs/kernel-choices.md, "Packed bf16 weights")."""
     rows = x.reshape(-1, x.shape[-1])
-    activated = torch.ops.braid.packed_linear(rows, gate, columns, None, "swish", None)
-    y = torch.ops.braid.packed_linear(rows, up, columns, None, "mul", activated)
+    activated = torch.ops.braid.packed_linear(rows, halves[:1], columns, None, "swish", None)
+    y = torch.ops.braid.packed_linear(rows, halves[1:], columns, None, "mul", activated)
     return y.view(*x.shape[:-1], y.shape[-1])

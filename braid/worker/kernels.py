@@ -50,7 +50,7 @@ def plan_kernels(engine: EngineConfig, model: nn.Module) -> KernelPlan:
         packed_weights=(engine.compile.weight_packing and operators
                         and packing_supported(torch.empty(0, dtype=dtype, device=device))),
         packed_max_rows=AMX_PACKED_MAX_ROWS if "amx_bf16" in cpu_flags() else None,
-        gemv=decode_operator and not_compiled is None and "avx512_bf16" in cpu_flags(),
+        few_rows=engine.compile.few_row_gemm if operators else 0,
         # auto: CPU only (measured there); CUDA runs eager unless asked
         fused_elementwise=("off" if engine.compile.mode == "auto" and device != "cpu"
                            else engine.compile.mode),
