@@ -186,7 +186,7 @@ def test_the_gated_mlp_activation_computes_silu_times_up(limit, rows):
     assert mlp.gate_up_proj.packed_halves is not None and mlp.gate_up_proj.packed is None
     gate, up = (x.float() @ merged.T).chunk(2, dim=-1)
     expected = F.silu(gate) * up
-    got = quant.gated_silu(x, *mlp.gate_up_proj.packed_halves, 96).float()
+    got = quant.gated_silu(x, mlp.gate_up_proj.packed_halves, 96).float()
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
     # The whole MLP: packed halves and down_proj, or row-major GEMMs whose gate and up are
     # rounded to bf16 before the activation (hence the wider tolerance)
