@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,30 @@ def test_bench_serving_counts_failed_requests_and_uses_sglangs_keys(stub_server,
     assert row["mean_ttft_ms"] <= row["mean_e2e_latency_ms"]
     assert set(SGLANG_KEYS) <= set(json.loads(out.read_text()))
     assert (tmp_path / "run.png").stat().st_size > 0
+
+
+def test_bench_serving_compares_each_request_with_a_baseline_run(stub_server, tmp_path, capsys):
+    """--output-details lists every request in order; --baseline-file divides each request's
+    decode rate by the baseline's for the same request, and refuses other requests."""
+    dataset = Dataset(num_prompts=9, random_input_len=12, random_output_len=5,
+                      random_range_ratio=1.0)
+    base = tmp_path / "base.jsonl"
+    config = ServingConfig(base_url=stub_server, dataset=dataset, max_concurrency=2,
+                           warmup_requests=0, disable_tqdm=True, output_details=True)
+    first = run_bench_serving(replace(config, output_file=str(base)))
+    assert len(first["decode_rates"]) == 9 and first["input_lens"] == [12] * 9
+    assert sum(rate is None for rate in first["decode_rates"]) == 3  # the failed requests
+    assert [error != "" for error in first["errors"]] == [rate is None
+                                                          for rate in first["decode_rates"]]
+    second = run_bench_serving(replace(config, baseline_file=str(base)))
+    both = sum(a is not None and b is not None
+               for a, b in zip(first["decode_rates"], second["decode_rates"]))
+    assert len(second["decode_rate_ratios"]) == both >= 3 and second["texts_identical"] >= 3
+    assert second["min_decode_rate_ratio"] <= second["median_decode_rate_ratio"]
+    assert "Median decode-rate ratio:" in capsys.readouterr().out
+    with pytest.raises(UserError, match="its requests are not these"):
+        run_bench_serving(replace(config, baseline_file=str(base),
+                                  dataset=replace(dataset, random_input_len=13)))
 
 
 def test_copy_edit_asks_to_rename_a_name_of_its_snippet_within_the_lengths(tokenizer):

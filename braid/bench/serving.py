@@ -58,6 +58,14 @@ class ServingConfig:
         None, "plot this run: TTFT and ITL distributions, output over time", metavar="F.png")
     disable_tqdm: bool = setting(False, "no progress bar")
     output_file: str | None = setting(None, "append one JSON line here")
+    output_details: bool = setting(
+        False, "the JSON line also lists each request's input and output lengths, TTFT, ITLs, "
+        "decode rate, text and error (SGLang's keys, and decode_rates), in request order")
+    baseline_file: str | None = setting(
+        None, "a JSON line file whose last line is an --output-details run of the same "
+        "requests (same dataset and seed) against another server: print each request's "
+        "decode rate against it (ratios, their median and least) and how many texts match",
+        metavar="F.jsonl")
     tag: str | None = setting(None, "a label for this run in the JSON line (and in braid plot)")
     timeout_s: float = 3600.0  # one request's longest wait
 
@@ -237,6 +245,60 @@ def compute_metrics(results: list[RequestResult], duration: float, tokenizer) ->
     return metrics
 
 
+def decode_rate(result: RequestResult) -> float | None:
+    """A request's output tokens per second after its first (None: failed, or one token)."""
+    if not result.success or result.output_len < 2 or result.latency <= result.ttft:
+        return None
+    return (result.output_len - 1) / (result.latency - result.ttft)
+
+
+def request_details(results: list[RequestResult]) -> dict:
+    """Per-request lists, in request order (`--output-details`)."""
+    return {"input_lens": [r.prompt_len for r in results],
+            "output_lens": [r.output_len for r in results],
+            "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
+            "decode_rates": [decode_rate(r) for r in results],
+            "generated_texts": [r.generated_text for r in results],
+            "errors": [r.error for r in results]}
+
+
+def load_baseline(baseline_file: str, requests: list[BenchRequest]) -> dict:
+    """The last line of `baseline_file`: a run with --output-details of these requests."""
+    try:
+        with open(baseline_file) as f:
+            rows = [json.loads(text) for text in f if text.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"--baseline-file {baseline_file}: {e}") from None
+    if not rows or "decode_rates" not in rows[-1]:
+        raise UserError(f"--baseline-file {baseline_file}: its last line is not a run with "
+                        "--output-details")
+    if rows[-1]["input_lens"] != [r.prompt_len for r in requests]:
+        raise UserError(f"--baseline-file {baseline_file}: its requests are not these (other "
+                        "prompt lengths: use the same dataset, lengths and --seed)")
+    return rows[-1]
+
+
+def compare_to_baseline(details: dict, baseline: dict) -> dict:
+    """Each request's decode rate over the baseline run's (`load_baseline`) for the same
+    request, their median and least, and how many texts are identical; printed and
+    returned."""
+    ratios = [mine / theirs for mine, theirs in zip(details["decode_rates"],
+                                                     baseline["decode_rates"])
+              if mine is not None and theirs]
+    same = sum(a == b for a, b in zip(details["generated_texts"], baseline["generated_texts"]))
+    comparison = {"decode_rate_ratios": ratios,
+                  "median_decode_rate_ratio": float(np.median(ratios)) if ratios else None,
+                  "min_decode_rate_ratio": min(ratios, default=None),
+                  "texts_identical": same}
+    print("{s:{c}^{n}}".format(s=" Against the baseline ", n=50, c="-"))
+    line("Decode-rate ratios, per request:", " ".join(f"{r:.2f}" for r in ratios) or "none")
+    if ratios:
+        line("Median decode-rate ratio:", comparison["median_decode_rate_ratio"])
+        line("Least decode-rate ratio:", comparison["min_decode_rate_ratio"])
+    line("Texts identical:", f"{same} of {len(details['generated_texts'])}")
+    return comparison
+
+
 def _peaks(ok: list[RequestResult]) -> tuple[float, int]:
     """Peak output chunks in any one-second bucket, and peak requests in flight (SGLang's
     per-second buckets)."""
@@ -344,6 +406,7 @@ def run_bench_serving(config: ServingConfig) -> dict:
     requests = sample_requests(config.dataset, tokenizer)
     print(f"#Input tokens: {sum(r.prompt_len for r in requests)}")
     print(f"#Output tokens: {sum(r.output_len for r in requests)}")
+    baseline = config.baseline_file and load_baseline(config.baseline_file, requests)
     counts_before = server_counts(config.base_url)
     results, duration = asyncio.run(run_requests(config, model, requests))
     counts_after = server_counts(config.base_url)
@@ -355,6 +418,11 @@ def run_bench_serving(config: ServingConfig) -> dict:
     if counts_before is not None and counts_after is not None:
         metrics.update(run_counts(counts_before, counts_after))
     print_result(config, metrics)
+    details = request_details(results)
+    if baseline:
+        metrics.update(compare_to_baseline(details, baseline))
+    if config.output_details:
+        metrics.update(details)
     if config.plot:
         from braid.bench.plots import plot_serving_run
 
