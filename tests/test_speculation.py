@@ -17,6 +17,8 @@ from braid.engine.kv_cache import BlockManager
 from braid.engine.request import SamplingParams, Sequence
 from braid.engine.scheduler import Scheduler
 from braid.engine.speculation import (
+    LEDGER_DRAFTS,
+    PAUSE_STEPS,
     AcceptanceRate,
     NgramIndex,
     NgramProposer,
@@ -201,6 +203,44 @@ def test_the_depth_cap_weighs_expected_tokens_against_measured_step_times():
         times.observe(rows, seconds)
     # The least-squares line through the medians of 4, 8, 12 and 16 rows: 4.75 ms a row
     assert times.estimate(np.array([2, 20])).tolist() == pytest.approx([0.0095, 0.095])
+
+
+class FixedProposer:
+    """Proposes `k` copies of token 1."""
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        return [[1] * k for k in ks]
+
+
+def ledger_run(accepted: int, steps: int, draft_row_ms: float) -> list[int]:
+    """Draft lengths one sequence proposes over `steps` decode steps, each draft accepting its
+    first `accepted` tokens, a step costing 10 ms plus `draft_row_ms` per draft row."""
+    speculator = Speculator(FixedProposer(), 4)
+    for rows in (1, 5) * 3:  # the line is known: a 1-row step and a 5-row one timed
+        speculator.observe_step(rows, 0.010 + (rows - 1) * draft_row_ms / 1000)
+    seq = Sequence(0, "r", 0, [1, 2, 3], SamplingParams(max_new_tokens=10_000))
+    seq.speculation = SequenceSpeculation(AcceptanceRate(0.9))  # it expects to win
+    lengths = []
+    for _ in range(steps):
+        speculator.propose([seq])
+        lengths.append(len(seq.draft))
+        speculator.observe_step(1 + len(seq.draft), 0.010 + len(seq.draft) * draft_row_ms / 1000)
+        seq.output_ids += [1] * (1 + min(accepted, len(seq.draft)))
+        seq.speculation.acceptance.rate = 0.9  # the rate alone would keep proposing
+    return lengths
+
+
+def test_a_sequence_whose_drafts_lose_time_stops_proposing_for_a_while():
+    """Drafts accepted (1 token of 4, each row costing a fifth of a step) earn more than they
+    cost: proposed at every step. None accepted, rows costing a tenth of a step: after
+    LEDGER_DRAFTS verified drafts the sequence pauses PAUSE_STEPS steps, then twice as long."""
+    assert all(length == 4 for length in ledger_run(1, 40, 2.0))
+    lengths = ledger_run(0, LEDGER_DRAFTS + 3 * PAUSE_STEPS + LEDGER_DRAFTS + 2, 1.0)
+    first_pause = lengths[LEDGER_DRAFTS:LEDGER_DRAFTS + PAUSE_STEPS]
+    assert all(lengths[:LEDGER_DRAFTS]) and not any(first_pause)
+    second = LEDGER_DRAFTS + PAUSE_STEPS + LEDGER_DRAFTS
+    assert all(lengths[LEDGER_DRAFTS + PAUSE_STEPS:second])
+    assert not any(lengths[second:second + 2 * PAUSE_STEPS])
 
 
 # The real model: the engine core over a model runner in this process (tp 1)

@@ -25,6 +25,14 @@ accepted by the scheduler (`Scheduler._record_tokens`); this module only propose
   sequences before it (a new random-text request does not propose 16 tokens just to learn it
   should not), and a sequence, like that shared rate, drifts back toward 0.5 while it does not
   propose, so text that turns repetitive later is tried again.
+- **A ledger per sequence.** The expectation can be wrong for one request (its drafts accepted
+  less than its rate says, its rows dearer than the line), so each sequence also keeps what its
+  verified drafts earned and cost, in seconds: its accepted tokens at the plain cost of a
+  token in that step's batch (the fitted time of the step without drafts, over its
+  sequences), against the step's measured time less the fitted time of the step without its
+  draft rows. A sequence whose last `LEDGER_DRAFTS` drafts cost more than they earned stops
+  proposing for `PAUSE_STEPS` steps, twice as long each time it loses again: a request that
+  speculation slows is decoded plainly, at most a few drafts' cost per pause.
 """
 
 from __future__ import annotations
@@ -46,6 +54,9 @@ TIMES_WINDOW = 256  # latest decode steps whose times `StepTimes` keeps
 # Timings a row count needs before it is weighed: its first step may pay for the GEMM
 # library's kernels for that shape (tens of ms), which alone would rule it out for good
 MIN_TIMINGS = 3
+LEDGER_DRAFTS = 8  # verified drafts of a sequence between two judgements of its ledger
+PAUSE_STEPS = 16  # steps a losing sequence proposes nothing, doubled at each loss ...
+MAX_PAUSE_STEPS = 1024  # ... up to this
 
 
 class Proposer(Protocol):
@@ -119,12 +130,38 @@ class AcceptanceRate:
 
 
 @dataclass
+class Ledger:
+    """What a sequence's latest verified drafts earned and cost, in seconds, and how long it
+    proposes nothing after losing (see the module docstring)."""
+
+    earned: float = 0.0
+    spent: float = 0.0
+    drafts: int = 0
+    paused: int = 0  # steps left without a proposal
+    next_pause: int = PAUSE_STEPS
+
+    def record(self, earned: float, spent: float) -> None:
+        """One verified draft; after `LEDGER_DRAFTS`, a pause where they cost more than they
+        earned."""
+        self.earned += earned
+        self.spent += spent
+        self.drafts += 1
+        if self.drafts >= LEDGER_DRAFTS:
+            if self.spent > self.earned:
+                self.paused = self.next_pause
+                self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
+            self.earned = self.spent = 0.0
+            self.drafts = 0
+
+
+@dataclass
 class SequenceSpeculation:
-    """One sequence's speculation state: its acceptance rate, the draft it proposed last and
-    its length then (to learn how much was accepted), and the proposer's own state (an
-    `NgramIndex`)."""
+    """One sequence's speculation state: its acceptance rate, its ledger, the draft it
+    proposed last and its length then (to learn how much was accepted), and the proposer's own
+    state (an `NgramIndex`)."""
 
     acceptance: AcceptanceRate
+    ledger: Ledger = field(default_factory=Ledger)
     proposed: int = 0
     tokens_then: int = 0
     index: NgramIndex | None = None
@@ -196,12 +233,15 @@ class Speculator:
         self.max_tokens = max_tokens
         self.times = StepTimes()
         self.traffic = AcceptanceRate()  # every sequence's verified proposals
+        self._drafted = 0  # draft rows of the step last proposed for
+        self._last_step: tuple[int, float] | None = None  # its rows and seconds, once timed
 
     def propose(self, decoding: list[Sequence]) -> None:
         """Drafts for the sequences about to decode (none where speculation does not pay, or
         cannot apply: a grammar constrains the sequence, or it is about to end)."""
         seqs, ks = [], []
         verified = False
+        costs = self._last_step_costs()
         for seq in decoding:
             if seq.speculation is None:
                 seq.speculation = SequenceSpeculation(self.traffic.copy())
@@ -211,7 +251,14 @@ class Speculator:
             if accepted is not None:
                 self.traffic.add(accepted, proposed, TRAFFIC_DECAY)
                 verified = True
+                if costs is not None:
+                    token_seconds, step_seconds, fitted = costs
+                    state.ledger.record(accepted * token_seconds,
+                                        max(0.0, step_seconds - fitted(proposed)))
             seq.draft = []
+            if state.ledger.paused:
+                state.ledger.paused -= 1
+                continue
             room = min(seq.params.max_new_tokens - len(seq.output_ids) - 1, self.max_tokens)
             if seq.grammar is None and room > 0 and state.acceptance.rate >= MIN_ACCEPTANCE:
                 seqs.append(seq)
@@ -225,6 +272,24 @@ class Speculator:
             seq.draft = draft[:cap]
             seq.speculation.proposed = len(seq.draft)
             seq.speculation.tokens_then = seq.num_tokens
+        self._drafted = sum(len(seq.draft) for seq in seqs)
+
+    def _last_step_costs(self):
+        """For the ledgers, where the step last proposed for was a timed decode step and the
+        times are fitted: the plain cost of one of its tokens (the fitted time of its rows
+        without drafts, over its sequences), its measured seconds, and the fitted seconds of
+        the step less a number of draft rows."""
+        last, self._last_step = self._last_step, None
+        if last is None or not self._drafted:
+            return None
+        rows, seconds = last
+        plain = rows - self._drafted
+        fitted = self.times.estimate(np.array([plain, rows], dtype=np.float64))
+        if fitted is None or plain < 1:
+            return None
+        base, slope_rows = fitted[0], fitted[1] - fitted[0]
+        per_row = slope_rows / self._drafted
+        return base / plain, seconds, lambda drafted: fitted[1] - per_row * drafted
 
     def _best_cap(self, num_decoding: int, rates: list[float], lengths: list[int]) -> int:
         """The depth cap whose step yields the most tokens per measured second."""
@@ -243,3 +308,4 @@ class Speculator:
     def observe_step(self, rows: int, seconds: float) -> None:
         """A decode step of `rows` rows (sequences plus draft tokens) took `seconds`."""
         self.times.observe(rows, seconds)
+        self._last_step = rows, seconds
