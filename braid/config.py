@@ -237,10 +237,11 @@ class CompileConfig(_Group):
         True, "keep bf16 linear weights row-major only on CPU, without oneDNN's blocked copy "
         "(which makes decode's GEMMs of few rows faster, and costs the weights' memory "
         "again)", off_flag="--no-weight-packing")
-    few_row_gemm: int = setting(
-        16, "GEMMs of up to this many rows (decode at small batch, speculative verification) run "
-        "braid's few-row kernel over the row-major weight on CPUs with AVX-512 (bf16 needs "
-        "AVX512-BF16); 0: oneDNN's GEMMs at every size", metavar="ROWS", at_least=0)
+    few_row_gemm: int | None = setting(
+        None, "GEMMs of up to this many rows (decode, speculative verification) run braid's "
+        "few-row kernel over the row-major weight on CPUs with AVX-512 (bf16 needs "
+        "AVX512-BF16); 0: oneDNN's GEMMs at every size. Default: 32 in bf16, 16 in fp32",
+        metavar="ROWS", at_least=0)
 
 
 @dataclass(frozen=True)

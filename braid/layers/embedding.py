@@ -83,8 +83,8 @@ class ParallelLMHead(nn.Module, Quantizable):
         if (self.few_rows or self.packed is not None or int8_applies(hidden, self.int8)
                 or torch.compiler.is_compiling()):
             return self.apply_linear(hidden)
-        # Unpacked (fp32, --no-weight-packing): weight @ hidden^T, which MKL runs faster than
-        # F.linear for the few rows of a decode step.
+        # Neither (fp32 or --no-weight-packing without the few-row kernel): weight @ hidden^T,
+        # which MKL runs faster than F.linear for the few rows of a decode step.
         return torch.mm(self.quantizable_weight(), hidden.t()).t()
 
     def _gather_columns(self, local: torch.Tensor) -> torch.Tensor:

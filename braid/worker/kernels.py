@@ -50,11 +50,25 @@ def plan_kernels(engine: EngineConfig, model: nn.Module) -> KernelPlan:
         packed_weights=(engine.compile.weight_packing and operators
                         and packing_supported(torch.empty(0, dtype=dtype, device=device))),
         packed_max_rows=AMX_PACKED_MAX_ROWS if "amx_bf16" in cpu_flags() else None,
-        few_rows=engine.compile.few_row_gemm if operators else 0,
+        few_rows=_few_rows(engine) if operators else 0,
         # auto: CPU only (measured there); CUDA runs eager unless asked
         fused_elementwise=("off" if engine.compile.mode == "auto" and device != "cpu"
                            else engine.compile.mode),
         not_compiled=not_compiled)
+
+
+# GEMMs of up to this many rows run the few-row kernel by default. In bf16 it ties oneDNN's
+# packed GEMM from a few rows to 32 and computes each output alike whatever the row count, so
+# a sequence's tokens do not hang on how many rows share its step (drafts included); in fp32
+# it beats ATen's GEMM up to 16 rows and loses at 32
+FEW_ROWS_DEFAULT = {torch.bfloat16: 32, torch.float32: 16}
+
+
+def _few_rows(engine: EngineConfig) -> int:
+    """The rows up to which GEMMs run the few-row kernel (`--few-row-gemm`)."""
+    if engine.compile.few_row_gemm is not None:
+        return engine.compile.few_row_gemm
+    return FEW_ROWS_DEFAULT.get(engine.torch_dtype, 0)
 
 
 def cache_layout(kv_dtype: torch.dtype, block_size: int, head_dim: int) -> str:
