@@ -198,6 +198,7 @@ class EngineCore:
         """Run one scheduled step; one delta per sequence that got a token or finished
         (nothing when nothing is waiting or running). A sequence whose plan cannot be built
         fails alone; the others run."""
+        start = time.perf_counter()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.decoding())
         batch = self.scheduler.schedule()
@@ -214,6 +215,10 @@ class EngineCore:
         deltas = failed
         if batch:
             deltas += self.scheduler.commit(batch, layout, self._run(plan, batch, layout))
+            if self.speculator is not None and (plan.q_lens == 1).all():
+                # The whole step, the proposals and the commit included: what speculation
+                # costs a client, also where the engine's own work competes for the cores
+                self.speculator.observe_step(len(plan.q_lens), time.perf_counter() - start)
         for delta in deltas:
             if delta.finish_reason is not None:
                 self._forget_if_done(delta.request_id)
@@ -259,8 +264,6 @@ class EngineCore:
         start = time.perf_counter()
         result = self.executor.step(plan, fill_masks)
         seconds = time.perf_counter() - start
-        if self.speculator is not None and (plan.q_lens == 1).all():
-            self.speculator.observe_step(len(plan.q_lens), seconds)
         self.chooser.observe(bucket, setting, seconds, plan.num_tokens)
         if result.step_id != plan.step_id:
             raise EngineError(f"rank 0 answered step {result.step_id} when asked for step "
