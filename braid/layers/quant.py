@@ -21,7 +21,13 @@ of bf16; larger GEMMs keep the dense weight, where that kernel is several times 
 (docs/kernel-choices.md, "int8 weights"). The kernel is vectorised for 16-bit activations
 only, so fp32 models keep the dense path (a warning says so). Inside a compiled step's graph for one
 sequence the GEMMs read the int8 weights through braid's GEMV operator where the CPU has
-AVX512-BF16 (`decode_kernel.gemv`).
+AVX512-BF16 (`decode_kernel.gemv_int8`).
+
+**Few rows (`--few-row-gemm`).** GEMMs of up to the plan's `few_rows` rows (decode, speculative
+verification) run braid's kernel over the row-major bf16 or fp32 weight
+(`decode_kernel.few_rows_linear`), which streams the weight once for every row and computes
+each output alike whatever the row count; larger ones take the packed weight or ATen. The choice
+is made by `linear_by_rows` in C++, as a compiled graph's row count is a symbol.
 """
 
 from __future__ import annotations
