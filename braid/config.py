@@ -231,8 +231,11 @@ class CompileConfig(_Group):
         "at start; off: eager. Eager steps of 128+ tokens fuse their elementwise work unless "
         "off", flag="--compile", key="compile", choices=("auto", "on", "off"))
     quantization: str = setting(
-        "none", "int8: per-channel int8 copies of the linear weights, used by GEMMs of a few "
-        "rows (decode at small batch; bf16/fp16 models)", choices=("none", "int8"))
+        "auto", "auto: a GGUF file's quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, "
+        "Q6_K) stay in their blocks on CPU, computed from as they are (no dequantized copy); "
+        "none: every weight dequantized to --dtype at load; int8: that, plus per-channel int8 "
+        "copies of the linear weights, used by GEMMs of a few rows (decode at small batch; "
+        "bf16/fp16 models)", choices=("auto", "none", "int8"))
     weight_packing: bool = setting(
         True, "keep bf16 linear weights row-major only on CPU, without oneDNN's blocked copy "
         "(which makes decode's GEMMs of few rows faster, and costs the weights' memory "

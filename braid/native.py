@@ -130,6 +130,14 @@ def _register_fakes() -> None:
     def _(x, values, scales):
         return x.new_empty(x.shape[0], values.shape[0])
 
+    @fake("braid::ggml_dequantize")
+    def _(blocks, type, columns, dtype):
+        return blocks.new_empty(blocks.shape[0], columns, dtype=dtype)
+
+    @fake("braid::ggml_linear")
+    def _(x, blocks, type, few_rows):
+        return x.new_empty(x.shape[0], blocks.shape[0])
+
     @fake("braid::causal_prefill_attention")
     def _(q, k, v, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -175,9 +175,14 @@ class SequenceDelta:
 @dataclass(frozen=True)
 class RankReady:
     """A rank's answer to "ready": why its steps cannot be compiled (None: they can), whether
-    its decode graphs are saved (a warm start loads them in seconds), and its kernel plan in a
-    line (`KernelPlan.describe`)."""
+    its decode graphs are saved (a warm start loads them in seconds), its kernel plan in a
+    line (`KernelPlan.describe`) and its memory."""
 
     not_compiled: str | None
     cached: bool
     kernels: str = ""
+    # What the rank holds (`braid.worker.memory`), and its process, whose memory a benchmark
+    # samples
+    weight_bytes: int = 0
+    kv_cache_bytes: int = 0
+    pid: int = 0

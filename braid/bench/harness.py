@@ -158,6 +158,12 @@ class BraidWorkload:
         """Rank 0's kernel plan, in a line."""
         return self.llm.core.executor.ready.kernels
 
+    def memory(self) -> dict[str, list[int]]:
+        """Each rank's weight and KV cache bytes."""
+        readies = self.llm.core.executor.readies
+        return {"weight_bytes": [r.weight_bytes for r in readies],
+                "kv_cache_bytes": [r.kv_cache_bytes for r in readies]}
+
     def close(self) -> None:
         self.llm.close()
 
@@ -233,6 +239,19 @@ def print_result(result: BenchResult, batch_size: int, input_len: int, output_le
     print(f"Total. latency: {row['total_latency']:6.3f} s, "
           f"throughput: {row['overall_throughput']:9.2f} token/s")
     return row
+
+
+def print_memory(row: dict) -> None:
+    """The memory line of a run: what each rank holds, and the peak of all processes."""
+    def gb(values: list[int]) -> str:
+        return " + ".join(f"{v / 1e9:.3f}" for v in values) + " GB"
+
+    parts = [f"{label} per rank {gb(row[key])}" for key, label in
+             (("weight_bytes", "weights"), ("kv_cache_bytes", "KV cache")) if key in row]
+    if row.get("peak_pss_bytes"):
+        parts.append(f"peak PSS of all processes {row['peak_pss_bytes'] / 1e9:.3f} GB")
+    if parts:
+        print("Memory: " + "; ".join(parts))
 
 
 def _path(path: str) -> str:

@@ -20,11 +20,13 @@ from braid.bench.harness import (
     base_row,
     check_run,
     print_header,
+    print_memory,
     print_result,
     random_prompts,
     timed,
 )
 from braid.bench.llama_cpp import LlamaCppWorkload
+from braid.bench.memory import PeakMemory
 from braid.bench.overlap import measure_exposed, run_overlap_sweep
 from braid.config import EngineConfig
 
@@ -35,31 +37,43 @@ def run_bench_one_batch(engine: EngineConfig, bench: OneBatch) -> list[dict]:
     if bench.overlap_sweep:
         return run_overlap_sweep(engine, bench, config)
     prompts = random_prompts(bench.batch_size, bench.input_len, config.vocab_size)
-    if bench.backend == "hf":
-        workload = HFWorkload(engine)
-    elif bench.backend == "llama.cpp":
-        workload = LlamaCppWorkload(engine, bench.batch_size, bench.input_len + bench.output_len)
-    else:
-        workload = BraidWorkload(engine, bench.batch_size, bench.input_len, bench.output_len)
-    try:
-        if bench.measure_exposed:
-            rows = measure_exposed(engine, bench, workload, prompts)
-        elif bench.compare_dp_linear:
-            rows = compare_dp_linear(engine, bench, workload, prompts)
-        else:
-            result = timed(workload, prompts, bench.output_len, bench.warmup)
-            choices = getattr(workload, "choices", dict)()
-            kernels = getattr(workload, "kernels", str)()
-            row = base_row(engine, bench, **({"auto_choices": choices} if choices else {}),
-                           **({"kernels": kernels} if kernels else {}))
-            print_header(row)
-            if kernels:
-                print(f"Kernels: {kernels}")
-            row.update(print_result(result, bench.batch_size, bench.input_len, bench.output_len))
-            if choices:
-                print("auto chose: " + "; ".join(f"{k} {v}" for k, v in choices.items()))
-            rows = [row]
-    finally:
-        workload.close()
+    with PeakMemory() as peak:  # from the start: loading can be the peak
+        workload = _workload(engine, bench)
+        try:
+            if bench.measure_exposed:
+                rows = measure_exposed(engine, bench, workload, prompts)
+            elif bench.compare_dp_linear:
+                rows = compare_dp_linear(engine, bench, workload, prompts)
+            else:
+                rows = [_timed_row(engine, bench, workload, prompts, peak)]
+        finally:
+            workload.close()
     append_rows(bench.result_file, rows)
     return rows
+
+
+def _workload(engine: EngineConfig, bench: OneBatch):
+    if bench.backend == "hf":
+        return HFWorkload(engine)
+    if bench.backend == "llama.cpp":
+        return LlamaCppWorkload(engine, bench.batch_size, bench.input_len + bench.output_len)
+    return BraidWorkload(engine, bench.batch_size, bench.input_len, bench.output_len)
+
+
+def _timed_row(engine: EngineConfig, bench: OneBatch, workload, prompts, peak: PeakMemory
+               ) -> dict:
+    """Time the batch once (after warm-up runs); print its lines; its JSONL row."""
+    result = timed(workload, prompts, bench.output_len, bench.warmup)
+    choices = getattr(workload, "choices", dict)()
+    kernels = getattr(workload, "kernels", str)()
+    row = base_row(engine, bench, **({"auto_choices": choices} if choices else {}),
+                   **({"kernels": kernels} if kernels else {}))
+    print_header(row)
+    if kernels:
+        print(f"Kernels: {kernels}")
+    row.update(print_result(result, bench.batch_size, bench.input_len, bench.output_len))
+    if choices:
+        print("auto chose: " + "; ".join(f"{k} {v}" for k, v in choices.items()))
+    row.update(getattr(workload, "memory", dict)(), peak_pss_bytes=peak.bytes)
+    print_memory(row)
+    return row

@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "few_rows.h"
+
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -20,57 +22,7 @@
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int64_t LINE = 64;  // bytes in a cache line, and in one vector of either type
-// The tile read two tiles from now is prefetched, a line per weight row for each line read:
-// the hardware prefetchers, which follow each row alone, kept 2-core Intel Xeon (AMX) at
-// 24 GB/s for the LM head, 49152 x 576, and at half the read bandwidth for gate_up; with this,
-// 29-33 GB/s and gate_up at the speed of a plain read of its weight.
-constexpr int64_t PREFETCH_TILES = 2;
-constexpr int MAX_GROUP = 4;  // input rows sharing each loaded weight vector
-
-// One vector of elements and the product-sum of two: bf16 pairs through `vdpbf16ps` (32
-// elements a vector), fp32 through an FMA (16).
-struct Fp32Dot {
-  using T = float;
-  using V = __m512;
-  static constexpr int64_t CHUNK = 16;
-  // The first group of input rows alone prefetches (see rows_tile)
-  static constexpr bool SHARED_PREFETCH = false;
-  static V load(const T* p) { return _mm512_loadu_ps(p); }
-  static __m512 dot(__m512 acc, V w, V x) { return _mm512_fmadd_ps(w, x, acc); }
-};
-#if defined(__AVX512BF16__)
-struct Bf16Dot {
-  using T = at::BFloat16;
-  using V = __m512bh;
-  static constexpr int64_t CHUNK = 32;
-  static constexpr bool SHARED_PREFETCH = true;
-  static V load(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static __m512 dot(__m512 acc, V w, V x) { return _mm512_dpbf16_ps(acc, w, x); }
-};
-#endif
-
-// y[m, n + r] for MR input rows from x (row stride ldx) and the NR weight rows from n.
-// Meanwhile `lines` cache lines a step are prefetched from `ahead` on.
-template <typename D, int MR, int NR>
-void tile(const typename D::T* x, int64_t ldx, const typename D::T* w, typename D::T* y,
-          int64_t ldy, int64_t K, int64_t n, const char* ahead, int lines) {
-  __m512 acc[MR][NR];
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
-  const typename D::T* rows = w + n * K;
-  for (int64_t k = 0; k < K; k += D::CHUNK, ahead += lines * LINE) {
-    for (int l = 0; l < lines; ++l) _mm_prefetch(ahead + l * LINE, _MM_HINT_T0);
-    typename D::V xv[MR];
-    for (int m = 0; m < MR; ++m) xv[m] = D::load(x + m * ldx + k);
-    for (int r = 0; r < NR; ++r) {
-      const typename D::V wv = D::load(rows + r * K + k);
-      for (int m = 0; m < MR; ++m) acc[m][r] = D::dot(acc[m][r], wv, xv[m]);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < NR; ++r) y[m * ldy + n + r] = typename D::T(_mm512_reduce_add_ps(acc[m][r]));
-}
+using namespace braid_few_rows;
 
 // Every input row against weight rows [n, n + NR): groups of up to MAX_GROUP input rows, the
 // first streaming the weight, the others reading it back from cache. In bf16 each group
@@ -86,6 +38,7 @@ void rows_tile(const typename D::T* x, int64_t M, const typename D::T* w, typena
   const int lines = int((NR + sharing - 1) / sharing);  // a step's lines, per sharing group
   const char* ahead = reinterpret_cast<const char*>(w + (n + PREFETCH_TILES * NR) * K);
   const int64_t share = lines * (K / D::CHUNK) * LINE;  // bytes of the tile a group prefetches
+  const typename D::T* rows = w + n * K;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t m = g * MAX_GROUP;
     const typename D::T* xm = x + m * K;
@@ -93,10 +46,10 @@ void rows_tile(const typename D::T* x, int64_t M, const typename D::T* w, typena
     const char* mine = ahead + g * share;
     const int my_lines = g < sharing ? lines : 0;
     switch (std::min<int64_t>(M - m, MAX_GROUP)) {
-      case 1: tile<D, 1, NR>(xm, K, w, ym, N, K, n, mine, my_lines); break;
-      case 2: tile<D, 2, NR>(xm, K, w, ym, N, K, n, mine, my_lines); break;
-      case 3: tile<D, 3, NR>(xm, K, w, ym, N, K, n, mine, my_lines); break;
-      default: tile<D, 4, NR>(xm, K, w, ym, N, K, n, mine, my_lines); break;
+      case 1: tile<D, 1, NR>(xm, K, rows, ym + n, N, K, mine, my_lines); break;
+      case 2: tile<D, 2, NR>(xm, K, rows, ym + n, N, K, mine, my_lines); break;
+      case 3: tile<D, 3, NR>(xm, K, rows, ym + n, N, K, mine, my_lines); break;
+      default: tile<D, 4, NR>(xm, K, rows, ym + n, N, K, mine, my_lines); break;
     }
   }
 }

@@ -18,6 +18,7 @@ from braid import native
 from braid.config import EngineConfig
 from braid.distributed.ranks import check_not_bootstrapping, launch_ranks
 from braid.distributed.shm import ShmSegment, activation_slot_bytes
+from braid.layers.ggml_weight import keeps_gguf_blocks
 from braid.loader.model_config import ModelConfig
 from braid.loader.weight_cache import prepare_gguf_weights
 from braid.models.registry import model_class
@@ -33,6 +34,7 @@ class Executor(Protocol):
     """Runs step plans on the model: the rank processes, or a runner in this process."""
 
     ready: RankReady
+    readies: list[RankReady]
 
     def step(self, plan: StepPlan,
              fill_masks: Callable[[], np.ndarray] | None = None) -> StepResult:
@@ -65,10 +67,10 @@ class RankExecutor:
         split = model_cls.describe_split(model_config, tp) if tp > 1 else ""
         if split:
             print(f"tp {tp} split: {split}", file=sys.stderr)
-        if config.cache and Path(config.model).is_file():
-            prepare_gguf_weights(config.model, model_config, config.torch_dtype)
         if config.parallel.device == "cpu":
             native.load(announce=True)  # built once, here, so that no rank waits on the build
+        if config.cache and Path(config.model).is_file() and not keeps_gguf_blocks(config):
+            prepare_gguf_weights(config.model, model_config, config.torch_dtype)
         segment = None
         if config.parallel.comm == "shm" and config.parallel.tp > 1:
             segment = ShmSegment.create(config.parallel.tp, slot_bytes=activation_slot_bytes(
@@ -84,9 +86,11 @@ class RankExecutor:
             raise
 
     def wait_ready(self) -> None:
-        """Wait until every rank has loaded its shard; rank 0's `ready` is kept."""
+        """Wait until every rank has loaded its shard; rank 0's `ready` is kept, and every
+        rank's in `readies`."""
         try:
-            self.ready = self.ranks.gather()[0]
+            self.readies = self.ranks.gather()
+            self.ready = self.readies[0]
         except BaseException:
             self.ranks.close()
             raise

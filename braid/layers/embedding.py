@@ -7,13 +7,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from braid.distributed.comm import Communicator
+from braid.layers.ggml_weight import GGMLWeight
+from braid.layers.linear import load_rows
 from braid.layers.partition import split_range, split_sizes
 from braid.layers.quant import Quantizable, int8_applies
 from braid.loader.weights import LazyWeight
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a contiguous range of vocabulary rows; lookups are summed over ranks."""
+    """Each rank holds a contiguous range of vocabulary rows; lookups are summed over ranks.
+    Rows in a GGUF file's quantized blocks stay so (`ggml`), and a lookup decodes its rows."""
+
+    ggml: GGMLWeight | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int, comm: Communicator,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -26,11 +31,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.load_shard
 
     def load_shard(self, param: nn.Parameter, weight: LazyWeight, shard_id: object = None) -> None:
-        rows = weight.narrow(0, self.start, self.size)
-        if tuple(rows.shape) != tuple(param.shape):
-            raise ValueError(f"embedding shard: expected {tuple(param.shape)}, "
-                             f"got {tuple(rows.shape)}")
-        param.data.copy_(rows)
+        load_rows(param, 0, weight, 0, self.start, self.size, "embedding shard")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(self.partial(input_ids))
@@ -39,11 +40,16 @@ class VocabParallelEmbedding(nn.Module):
         """This rank's rows of the lookup, zero for the tokens outside its range (the sum over
         ranks is the embedding)."""
         if self.comm.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.size)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._rows(local.masked_fill(outside, 0))
         return out.masked_fill_(outside.unsqueeze(-1), 0)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.ggml is not None:
+            return self.ggml.lookup(ids, self.weight.dtype)
+        return F.embedding(ids, self.weight)
 
 
 class ParallelLMHead(nn.Module, Quantizable):
@@ -81,7 +87,7 @@ class ParallelLMHead(nn.Module, Quantizable):
         # (docs/kernel-choices.md). A compiled step (braid.worker.compiled_step) takes the
         # linear form too: inductor packs a linear's weight, not a plain product's.
         if (self.few_rows or self.packed is not None or int8_applies(hidden, self.int8)
-                or torch.compiler.is_compiling()):
+                or self.ggml is not None or torch.compiler.is_compiling()):
             return self.apply_linear(hidden)
         # Neither (fp32 or --no-weight-packing without the few-row kernel): weight @ hidden^T,
         # which MKL runs faster than F.linear for the few rows of a decode step.

@@ -29,6 +29,9 @@ class KernelPlan:
     # Prefill attention: "operator" (`decode_kernel.causal_prefill_attention`), "blocked"
     # (`attention_ops.blocked_causal_attention`) or "sdpa"
     prefill_attention: str = "sdpa"
+    # A GGUF file's quantized weights kept in their blocks (`--quantization auto`,
+    # `braid.layers.ggml_weight`)
+    gguf_blocks: bool = False
     # Linear layers' int8 copies for GEMMs of few rows (`--quantization int8`)
     int8_weights: bool = False
     # oneDNN's blocked copy of bf16 linear weights, read by GEMMs of at most
@@ -48,7 +51,8 @@ class KernelPlan:
                   f"up to {self.packed_max_rows} rows" if self.packed_max_rows else "any rows")
         return (f"decode attention {self.decode_attention}, prefill attention "
                 f"{self.prefill_attention}, KV layout {self.kv_layout}, packed weights "
-                f"{packed}, int8 weights {'on' if self.int8_weights else 'off'}, few-row "
+                f"{packed}, GGUF blocks {'kept' if self.gguf_blocks else 'dequantized'}, int8 "
+                f"weights {'on' if self.int8_weights else 'off'}, few-row "
                 f"GEMMs {f'up to {self.few_rows} rows' if self.few_rows else 'off'}, compiled "
                 "steps "
                 f"{self.not_compiled or 'on'}")

@@ -1,7 +1,8 @@
 """Linear layers for tensor parallelism.
 
 Each parameter carries a `weight_loader(param, weight, shard_id=None)` that copies its own slice
-out of a lazy checkpoint tensor, so a rank materialises only what it keeps.
+out of a lazy checkpoint tensor, so a rank materialises only what it keeps; a slice of a
+tensor in quantized blocks is kept as its blocks (`load_rows`, `braid.layers.ggml_weight`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from braid.distributed.comm import Communicator, Pending
+from braid.layers.ggml_weight import file_blocks
 from braid.layers.partition import HeadShard, split_range
 from braid.layers.quant import Quantizable
 from braid.loader.weights import LazyWeight
@@ -27,6 +29,21 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.copy_(src)
 
 
+def load_rows(param: nn.Parameter, row: int, weight: LazyWeight, dim: int, start: int,
+              length: int, what: str, blocks: bool = True) -> None:
+    """`param`'s rows from `row` on := `weight.narrow(dim, start, length)`: kept as quantized
+    blocks where `weight` has them and `blocks` (the layer computes from them), else copied."""
+    shape = list(weight.shape)
+    shape[dim] = length
+    dst = param.data.narrow(0, row, shape[0])
+    if not (blocks and weight.ggml_type is not None):
+        _copy_checked(dst, weight.narrow(dim, start, length), what)
+        return
+    if tuple(dst.shape) != tuple(shape):
+        raise ValueError(f"{what}: expected shape {tuple(dst.shape)}, got {tuple(shape)}")
+    file_blocks(param, row, weight.ggml_type, weight.narrow_blocks(dim, start, length))
+
+
 class ReplicatedLinear(nn.Module, Quantizable):
     """Full weight on every rank; every rank computes the same output."""
 
@@ -34,11 +51,15 @@ class ReplicatedLinear(nn.Module, Quantizable):
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype)
-        self.weight.weight_loader = self.load_full
+        self.weight.weight_loader = self.load_weight
         self.bias = None
         if bias:
             self.bias = _param(out_features, dtype=dtype)
             self.bias.weight_loader = self.load_full
+
+    def load_weight(self, param: nn.Parameter, weight: LazyWeight, shard_id: object = None
+                    ) -> None:
+        load_rows(param, 0, weight, 0, 0, weight.shape[0], "replicated weight", self.packable)
 
     @staticmethod
     def load_full(param: nn.Parameter, weight: LazyWeight, shard_id: object = None) -> None:
@@ -71,9 +92,8 @@ class DataParallelLinear(nn.Module, Quantizable):
 
     def load_part(self, param: nn.Parameter, weight: LazyWeight, shard_id: object = None) -> None:
         index = self.shard_ids.index(shard_id)
-        offset = sum(self.out_sizes[:index])
-        _copy_checked(param.data.narrow(0, offset, self.out_sizes[index]), weight.load(),
-                      f"fused replicated part {shard_id}")
+        load_rows(param, sum(self.out_sizes[:index]), weight, 0, 0, weight.shape[0],
+                  f"fused replicated part {shard_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.apply_linear(x)
@@ -124,9 +144,8 @@ class ColumnParallelLinear(nn.Module, Quantizable):
     def load_shard(self, param: nn.Parameter, weight: LazyWeight, shard_id: object = None) -> None:
         index = self.shard_ids.index(shard_id if shard_id is not None else self.shard_ids[0])
         start, size = self.shard_ranges[index]
-        offset = sum(self.local_sizes[:index])
-        _copy_checked(param.data.narrow(0, offset, size), weight.narrow(0, start, size),
-                      f"column shard {shard_id}")
+        load_rows(param, sum(self.local_sizes[:index]), weight, 0, start, size,
+                  f"column shard {shard_id}", self.packable)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.apply_linear(x, self.bias)
@@ -176,7 +195,11 @@ class RowParallelLinear(nn.Module, Quantizable):
             self.bias.weight_loader = ReplicatedLinear.load_full
 
     def load_shard(self, param: nn.Parameter, weight: LazyWeight, shard_id: object = None) -> None:
-        _copy_checked(param.data, weight.narrow(1, *self.in_range), "row shard")
+        try:
+            load_rows(param, 0, weight, 1, *self.in_range, "row shard")
+        except ValueError as e:
+            raise ValueError(f"row-parallel split at tp {self.comm.world_size}: {e} "
+                             "(--quantization none computes from dequantized weights)") from e
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.comm.rank == 0 else None

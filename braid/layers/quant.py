@@ -42,6 +42,7 @@ from torch import nn
 from braid import native
 from braid.layers import decode_kernel
 from braid.layers.fused import silu_mul
+from braid.layers.ggml_weight import GGMLWeight
 from braid.layers.kernel_plan import KernelPlan
 
 INT8_MAX_ROWS = 4  # GEMMs of at most this many rows use the int8 weights
@@ -72,6 +73,9 @@ class Quantizable:
     """Mixin of the layers whose weight `make_weight_forms` gives other forms; `forward` passes
     them all to `linear` (`apply_linear`)."""
 
+    # The weight in a GGUF file's quantized blocks, computed from as they are (the dense
+    # parameter then holds no memory: `ggml_weight.keep_blocks`)
+    ggml: GGMLWeight | None = None
     int8: Int8Weight | None = None
     # The number oneDNN's blocked copy of the weight (kept beside the row-major one) is
     # registered under for `packed_linear` (`pack_linear_layers`), as a one-element tensor
@@ -94,7 +98,11 @@ class Quantizable:
         return self.weight
 
     def apply_linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`x @ weight.T (+ bias)` through the form `linear` picks for `x`."""
+        """`x @ weight.T (+ bias)` through the form `linear` picks for `x` (the GGML blocks
+        where the weight is kept so)."""
+        if self.ggml is not None:
+            y = self.ggml.linear(x)
+            return y if bias is None else y + bias
         return linear(x, self.quantizable_weight(), bias, self.int8, self.packed, self.few_rows,
                       self.packed_rows)
 
@@ -149,7 +157,7 @@ def make_weight_forms(model: nn.Module, kernels: KernelPlan) -> bool:
     plan asks for, once its weights are loaded and on their device: int8 copies, oneDNN's
     packed copies (for GEMMs of up to `kernels.packed_max_rows` rows) and the few-row kernel
     where a layer's weight fits it. Whether any weight was packed."""
-    layers = [m for m in model.modules() if isinstance(m, Quantizable)]
+    layers = [m for m in model.modules() if isinstance(m, Quantizable) and m.ggml is None]
     if kernels.int8_weights:
         for layer in layers:
             layer.int8 = Int8Weight.quantize(layer.quantizable_weight())
@@ -191,7 +199,7 @@ def pack_linear_layers(model: nn.Module, max_rows: int | None) -> bool:
         return torch.tensor([ids[-1]], dtype=torch.int64)
 
     for layer in model.modules():
-        if not isinstance(layer, Quantizable) or not layer.packable:
+        if not isinstance(layer, Quantizable) or not layer.packable or layer.ggml is not None:
             continue
         weight = layer.quantizable_weight()
         if not packing_supported(weight):

@@ -28,11 +28,21 @@ if TYPE_CHECKING:  # the model code's package, which the API process must not lo
     from braid.models.spec import Architecture
 
 _NAME_RE = re.compile(r"^(.+)\.(weight|bias)$")
+# The formats braid's operators compute from as they are (`braid.layers.ggml_weight`)
+BLOCK_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+               GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+               GGMLQuantizationType.Q6_K}
 
 
 @lru_cache(maxsize=4)
 def _reader(path: str) -> GGUFReader:
     return GGUFReader(path)
+
+
+def close_gguf_files() -> None:
+    """Unmap the GGUF files read so far: a rank that copied its weights out of a file would
+    otherwise keep the pages it read mapped, counted in its memory beside the copies."""
+    _reader.cache_clear()
 
 
 def _field(reader: GGUFReader, key: str, default=None):
@@ -97,17 +107,34 @@ class GGUFWeight(LazyWeight):
 
     `head_dim` is set for permuted Q and K projections: their rows are unpermuted head by head
     after slicing, so a slice must start and end on head boundaries. `offset` is subtracted
-    from every value (what the converter added to Gemma's norms).
+    from every value (what the converter added to Gemma's norms). With `keep_blocks`, a 2-D
+    tensor in a format braid computes from has its `ggml_type` (`block_rows` gives its bytes).
     """
 
     def __init__(self, tensor, head_dim: int | None = None, expert: int | None = None,
-                 offset: float = 0.0) -> None:
+                 offset: float = 0.0, keep_blocks: bool = False) -> None:
         self._tensor = tensor
         self._head_dim = head_dim
         self._expert = expert
         self._offset = offset
         shape = _shape(tensor)
         self.shape = shape if expert is None else shape[1:]
+        kind = int(tensor.tensor_type)
+        if keep_blocks and len(self.shape) == 2 and kind in BLOCK_TYPES and not offset:
+            self.ggml_type = kind
+
+    def block_rows(self, start: int, length: int) -> torch.Tensor:
+        if self.ggml_type is None:
+            return super().block_rows(start, length)
+        rows = torch.from_numpy(np.array(self._tensor.data[start:start + length]))
+        return self._unpermuted(rows, start, length)
+
+    def _unpermuted(self, rows: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        if self._head_dim is None:
+            return rows
+        if start % self._head_dim or length % self._head_dim:
+            raise ValueError("rotary projections are sliced on head boundaries only")
+        return unpermute_rotary(rows, length // self._head_dim)
 
     def _rows(self, start: int, length: int) -> torch.Tensor:
         data = self._tensor.data
@@ -126,17 +153,14 @@ class GGUFWeight(LazyWeight):
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         if dim == 0:
-            rows = self._rows(start, length)
-            if self._head_dim is not None:
-                if start % self._head_dim or length % self._head_dim:
-                    raise ValueError("rotary projections are sliced on head boundaries only")
-                rows = unpermute_rotary(rows, length // self._head_dim)
-            return rows
+            return self._unpermuted(self._rows(start, length), start, length)
         return self.narrow(0, 0, self.shape[0]).narrow(dim, start, length)
 
 
-def iterate_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, LazyWeight]]:
-    """(Hugging Face name, lazy tensor) for every weight of a GGUF file.
+def iterate_gguf(path: str, config: ModelConfig, keep_blocks: bool = False
+                 ) -> Iterator[tuple[str, LazyWeight]]:
+    """(Hugging Face name, lazy tensor) for every weight of a GGUF file; with `keep_blocks`
+    the quantized tensors braid computes from give their blocks (`GGUFWeight`).
 
     A tensor the family's naming does not cover keeps its GGUF name, which the weight loader
     reports as unexpected.
@@ -161,4 +185,4 @@ def iterate_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, LazyWeig
                 yield (f"{expert_name(base, expert)}.{match.group(2)}",
                        GGUFWeight(tensor, head_dim, expert, offset))
         else:
-            yield name, GGUFWeight(tensor, head_dim, offset=offset)
+            yield name, GGUFWeight(tensor, head_dim, offset=offset, keep_blocks=keep_blocks)

@@ -29,9 +29,13 @@ def with_progress(items: Iterable[T], desc: str, delay_s: float) -> Iterable[T]:
 
 
 class LazyWeight(ABC):
-    """A checkpoint tensor read on demand, so each rank materialises only its own slice."""
+    """A checkpoint tensor read on demand, so each rank materialises only its own slice.
+
+    A tensor in llama.cpp's quantized blocks that braid computes from (`ggml_weight`) has its
+    GGML type in `ggml_type` and gives its bytes through `narrow_blocks`; `narrow` dequantizes."""
 
     shape: tuple[int, ...]
+    ggml_type: int | None = None
 
     @abstractmethod
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
@@ -40,6 +44,28 @@ class LazyWeight(ABC):
     def load(self) -> torch.Tensor:
         """The whole tensor."""
         return self.narrow(0, 0, self.shape[0])
+
+    def block_rows(self, start: int, length: int) -> torch.Tensor:
+        """Rows `[start, start + length)` of a tensor with a `ggml_type`, as their blocks'
+        bytes (uint8 `[length, bytes per row]`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no quantized blocks")
+
+    def narrow_blocks(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """`narrow` as blocks' bytes: rows, or columns on whole blocks (`ValueError` where the
+        range cuts one)."""
+        if dim == 0:
+            return self.block_rows(start, length)
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        elements, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)]
+        if start % elements or length % elements:
+            raise ValueError(f"columns [{start}, {start + length}) cut the "
+                             f"{GGMLQuantizationType(self.ggml_type).name} blocks of "
+                             f"{elements} columns")
+        rows = self.block_rows(0, self.shape[0])
+        # a copy: a view would keep every rank's columns alive
+        return rows[:, start // elements * nbytes:(start + length) // elements * nbytes].clone(
+            memory_format=torch.contiguous_format)
 
 
 class TensorWeight(LazyWeight):
@@ -60,6 +86,10 @@ class RowSlice(LazyWeight):
     def __init__(self, base: LazyWeight, offset: int, rows: int) -> None:
         self.base, self.offset = base, offset
         self.shape = (rows, *base.shape[1:])
+        self.ggml_type = base.ggml_type
+
+    def block_rows(self, start: int, length: int) -> torch.Tensor:
+        return self.base.block_rows(self.offset + start, length)
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         if dim == 0:
@@ -106,7 +136,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, LazyWeight]]) ->
         if param is None:
             unexpected.append(ckpt_name)
             continue
-        param.weight_loader(param, weight, shard_id)
+        try:
+            param.weight_loader(param, weight, shard_id)
+        except ValueError as e:
+            raise ValueError(f"{ckpt_name}: {e}") from e
         loaded.add((name, shard_id))
     expected = set()
     for name, param in params.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ from braid.config import EngineConfig
 from braid.distributed.comm import SwitchableCommunicator
 from braid.layers.forward_batch import ForwardBatch
 from braid.layers.fused import configure_compile
+from braid.layers.ggml_weight import keep_blocks
 from braid.layers.quant import make_weight_forms
 from braid.loader.model_config import ModelConfig
 from braid.loader.weights import load_weights, with_progress
@@ -32,6 +34,7 @@ from braid.worker.compiled_step import (
     warm_up_plans,
 )
 from braid.worker.kernels import plan_kernels
+from braid.worker.memory import kv_cache_bytes, weight_bytes
 from braid.worker.sampler import postprocess
 from braid.worker.split import split_step
 
@@ -40,18 +43,21 @@ from braid.worker.split import split_step
 COMPILE_COMM_TIMEOUT_S = 1800.0
 
 
-def checkpoint_weights(model_path: str, config: ModelConfig, dtype: torch.dtype | None = None):
-    """Lazy (name, weight) pairs of a GGUF file (from braid's cache of its dequantised weights
-    in `dtype` when there is one) or of a safetensors folder."""
+def checkpoint_weights(model_path: str, config: ModelConfig, dtype: torch.dtype | None = None,
+                       keep_blocks: bool = False):
+    """Lazy (name, weight) pairs of a GGUF file (with `keep_blocks`, its quantized tensors as
+    blocks; else from braid's cache of its dequantised weights in `dtype` when there is one)
+    or of a safetensors folder."""
     if Path(model_path).is_file():
         from braid.loader.weight_cache import cached_gguf_weights
 
-        weights = cached_gguf_weights(model_path, dtype) if dtype is not None else None
+        weights = (cached_gguf_weights(model_path, dtype)
+                   if dtype is not None and not keep_blocks else None)
         if weights is not None:
             return weights
         from braid.loader.gguf import iterate_gguf
 
-        return iterate_gguf(model_path, config)
+        return iterate_gguf(model_path, config, keep_blocks)
     from braid.loader.safetensors import iterate_safetensors
 
     return iterate_safetensors(model_path)
@@ -82,10 +88,15 @@ class ModelRunner:
         self.model = cls(config, comm, engine.torch_dtype)
         self.kernels = plan_kernels(engine, self.model)
         cache_dtype = engine.torch_dtype if engine.cache else None
-        weights = checkpoint_weights(engine.model, config, cache_dtype)
+        weights = checkpoint_weights(engine.model, config, cache_dtype, self.kernels.gguf_blocks)
         if comm.rank == 0:
             weights = with_progress(weights, "loading weights", delay_s=2.0)
         load_weights(self.model, weights)
+        if Path(engine.model).is_file():
+            from braid.loader.gguf import close_gguf_files
+
+            close_gguf_files()
+        keep_blocks(self.model)
         self.model.to(self.device).eval()
         self._packed = make_weight_forms(self.model, self.kernels)
         configure_compile(self.kernels.fused_elementwise, self.kernels.operators,
@@ -102,7 +113,8 @@ class ModelRunner:
         rank's kernels."""
         not_compiled = self.kernels.not_compiled
         return RankReady(not_compiled, not_compiled is None and self._decode_step.cached(),
-                         self.kernels.describe())
+                         self.kernels.describe(), weight_bytes(self.model),
+                         kv_cache_bytes(self.model), os.getpid())
 
     @functools.cached_property
     def _decode_step(self) -> CompiledDecodeStep:

@@ -1,0 +1,459 @@
+// Linear layers over llama.cpp's quantized weight blocks (GGML's formats), read as the GGUF file
+// stores them: no dequantized copy of the weight is kept (braid.layers.ggml_weight).
+//
+// A weight [N, K] is N rows of K / elements blocks each. A row is decoded into fp32 exactly as
+// the `gguf` package's `dequantize` computes it (scale times quant, minus the block's minimum),
+// then rounded to the activation's dtype where that is bf16, so a product equals the one over
+// the dequantized weight that braid loaded before. Decode and other GEMMs of a few rows decode
+// a tile of weight rows at a time into a buffer that stays in L1/L2 and run the few-row
+// micro-kernel (few_rows.h) over it: memory carries the blocks' bytes only (Q4: a quarter of
+// bf16's). Larger GEMMs (prefill) decode a chunk of rows at a time and hand it to ATen's GEMM,
+// whose cost grows with the rows while the decoding's does not.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "few_rows.h"
+
+namespace {
+
+// GGML's type numbers (ggml.h, `gguf.GGMLQuantizationType`) of the formats decoded here
+enum GgmlType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+struct Format {
+  int64_t elements;  // weights per block
+  int64_t bytes;     // bytes per block
+};
+
+Format format_of(int64_t type) {
+  switch (type) {
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+  }
+  TORCH_CHECK(false, "GGML type ", type, " has no block decoder here");
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return float(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// One block's weights into out[0, elements), per format. Each follows the block layout of
+// ggml-quants.c; the arithmetic is the `gguf` package's, in fp32.
+void decode_q4_0(const uint8_t* b, float* out) {  // scale d, 32 nibbles: (q - 8) d
+  const float d = half_at(b);
+  const uint8_t* qs = b + 2;
+  for (int j = 0; j < 16; ++j) {
+    out[j] = d * float((qs[j] & 15) - 8);
+    out[j + 16] = d * float((qs[j] >> 4) - 8);
+  }
+}
+
+void decode_q4_1(const uint8_t* b, float* out) {  // scale d, minimum m: q d + m
+  const float d = half_at(b), m = half_at(b + 2);
+  const uint8_t* qs = b + 4;
+  for (int j = 0; j < 16; ++j) {
+    out[j] = d * float(qs[j] & 15) + m;
+    out[j + 16] = d * float(qs[j] >> 4) + m;
+  }
+}
+
+void decode_q5_0(const uint8_t* b, float* out) {  // the fifth bits in a 32-bit word: (q - 16) d
+  const float d = half_at(b);
+  uint32_t qh;
+  std::memcpy(&qh, b + 2, sizeof qh);
+  const uint8_t* qs = b + 6;
+  for (int j = 0; j < 16; ++j) {
+    out[j] = d * float(int((qs[j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+    out[j + 16] = d * float(int((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+  }
+}
+
+void decode_q8_0(const uint8_t* b, float* out) {  // scale d, 32 int8: q d
+  const float d = half_at(b);
+  const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+  for (int j = 0; j < 32; ++j) out[j] = d * float(qs[j]);
+}
+
+// The 6-bit scale and minimum of sub-block j (of 8) in a K-quant's 12 packed bytes.
+inline void scale_min_k4(int j, const uint8_t* q, int& scale, int& min) {
+  if (j < 4) {
+    scale = q[j] & 63;
+    min = q[j + 4] & 63;
+  } else {
+    scale = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+    min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Q4_K and Q5_K: 8 sub-blocks of 32, each (d * scale) q - (dmin * min); the nibbles of 32 bytes
+// serve two sub-blocks (low, then high); Q5_K's fifth bit of sub-block i is bit i of qh[l].
+template <bool FIFTH_BIT>
+void decode_k(const uint8_t* b, float* out) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + (FIFTH_BIT ? 48 : 16);
+  for (int i = 0; i < 8; ++i) {
+    int scale, min;
+    scale_min_k4(i, scales, scale, min);
+    const float step = d * float(scale), offset = dmin * float(min);
+    const uint8_t* q = qs + 32 * (i / 2);
+    const int shift = 4 * (i % 2);
+    for (int l = 0; l < 32; ++l) {
+      int value = (q[l] >> shift) & 15;
+      if (FIFTH_BIT) value |= ((qh[l] >> i) & 1) << 4;
+      out[32 * i + l] = step * float(value) - offset;
+    }
+  }
+}
+
+// Q6_K: low 4 bits in ql[128], high 2 in qh[64], an int8 scale per 16, d last: (d scale) (q - 32).
+void decode_q6_k(const uint8_t* b, float* out) {
+  const float d = half_at(b + 208);
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = b + 64 * h;
+    const uint8_t* qh = b + 128 + 32 * h;
+    const int8_t* sc = scales + 8 * h;
+    float* y = out + 128 * h;
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      const int q1 = ((ql[l] & 15) | (((qh[l] >> 0) & 3) << 4)) - 32;
+      const int q2 = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+      const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+      const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+      y[l] = (d * float(sc[is])) * float(q1);
+      y[l + 32] = (d * float(sc[is + 2])) * float(q2);
+      y[l + 64] = (d * float(sc[is + 4])) * float(q3);
+      y[l + 96] = (d * float(sc[is + 6])) * float(q4);
+    }
+  }
+}
+
+template <void (*DECODE)(const uint8_t*, float*)>
+void decode_blocks(const uint8_t* row, float* out, int64_t blocks, Format f) {
+  for (int64_t i = 0; i < blocks; ++i) DECODE(row + i * f.bytes, out + i * f.elements);
+}
+
+// Row `row` (K weights) of a weight of GGML type `type` into out[0, K) as fp32.
+void decode_row(int64_t type, const uint8_t* row, float* out, int64_t K) {
+  const Format f = format_of(type);
+  const int64_t blocks = K / f.elements;
+  switch (type) {
+    case Q4_0: return decode_blocks<decode_q4_0>(row, out, blocks, f);
+    case Q4_1: return decode_blocks<decode_q4_1>(row, out, blocks, f);
+    case Q5_0: return decode_blocks<decode_q5_0>(row, out, blocks, f);
+    case Q8_0: return decode_blocks<decode_q8_0>(row, out, blocks, f);
+    case Q4_K: return decode_blocks<decode_k<false>>(row, out, blocks, f);
+    case Q5_K: return decode_blocks<decode_k<true>>(row, out, blocks, f);
+    case Q6_K: return decode_blocks<decode_q6_k>(row, out, blocks, f);
+  }
+}
+
+// fp32 values as T (bf16: rounded to nearest even, as `Tensor.to` rounds).
+void narrow_to(const float* src, float* dst, int64_t n) {
+  if (src != dst) std::memcpy(dst, src, n * sizeof(float));
+}
+
+void narrow_to(const float* src, at::BFloat16* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = at::BFloat16(src[i]);
+}
+
+void narrow_to(const float* src, at::Half* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = at::Half(src[i]);
+}
+
+// Rows [n0, n1) of the weight, in T, into out (row stride K); `scratch` holds K floats.
+template <typename T>
+void decode_rows(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t K, int64_t n0,
+                 int64_t n1, T* out, float* scratch) {
+  for (int64_t n = n0; n < n1; ++n) {
+    T* dst = out + (n - n0) * K;
+    float* values = std::is_same_v<T, float> ? reinterpret_cast<float*>(dst) : scratch;
+    decode_row(type, blocks + n * row_bytes, values, K);
+    narrow_to(values, dst, K);
+  }
+}
+
+#if defined(__AVX512F__)
+// The same decoding 16 weights a vector, for the formats of llama.cpp's usual files (Q4_0,
+// Q4_1, Q8_0, and Q4_K_M's Q4_K and Q6_K), stored as T: the scalar loops above ran at a fifth
+// of the memory's speed. Same operations in the same order, so the same values.
+namespace simd {
+
+inline void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+#if defined(__AVX512BF16__)
+inline void store(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
+
+inline __m512i bytes(const uint8_t* p) {  // 16 bytes as 16 int32 lanes
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512 as_float(__m512i v) { return _mm512_cvtepi32_ps(v); }
+inline __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi32(15)); }
+inline __m512i high_nibbles(__m512i v) { return _mm512_srli_epi32(v, 4); }
+
+template <typename T>
+void q4_0(const uint8_t* b, T* out) {
+  const __m512 d = _mm512_set1_ps(half_at(b));
+  const __m512i q = bytes(b + 2), eight = _mm512_set1_epi32(8);
+  store(out, _mm512_mul_ps(d, as_float(_mm512_sub_epi32(low_nibbles(q), eight))));
+  store(out + 16, _mm512_mul_ps(d, as_float(_mm512_sub_epi32(high_nibbles(q), eight))));
+}
+
+template <typename T>
+void q4_1(const uint8_t* b, T* out) {
+  const __m512 d = _mm512_set1_ps(half_at(b)), m = _mm512_set1_ps(half_at(b + 2));
+  const __m512i q = bytes(b + 4);
+  store(out, _mm512_add_ps(_mm512_mul_ps(d, as_float(low_nibbles(q))), m));
+  store(out + 16, _mm512_add_ps(_mm512_mul_ps(d, as_float(high_nibbles(q))), m));
+}
+
+template <typename T>
+void q8_0(const uint8_t* b, T* out) {
+  const __m512 d = _mm512_set1_ps(half_at(b));
+  for (int j = 0; j < 32; j += 16) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + j));
+    store(out + j, _mm512_mul_ps(d, as_float(_mm512_cvtepi8_epi32(q))));
+  }
+}
+
+template <typename T>
+void q4_k(const uint8_t* b, T* out) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  for (int i = 0; i < 8; ++i) {
+    int scale, min;
+    scale_min_k4(i, b + 4, scale, min);
+    const __m512 step = _mm512_set1_ps(d * float(scale));
+    const __m512 offset = _mm512_set1_ps(dmin * float(min));
+    for (int l = 0; l < 32; l += 16) {
+      const __m512i q = bytes(b + 16 + 32 * (i / 2) + l);
+      const __m512i value = i % 2 ? high_nibbles(q) : low_nibbles(q);
+      store(out + 32 * i + l, _mm512_sub_ps(_mm512_mul_ps(step, as_float(value)), offset));
+    }
+  }
+}
+
+template <typename T>
+void q6_k(const uint8_t* b, T* out) {
+  const float d = half_at(b + 208);
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const __m512i three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
+  for (int h = 0; h < 2; ++h) {
+    for (int l = 0; l < 32; l += 16) {
+      const __m512i ql_a = bytes(b + 64 * h + l), ql_b = bytes(b + 64 * h + 32 + l);
+      const __m512i qh = bytes(b + 128 + 32 * h + l);
+      const __m512i quants[4] = {
+          _mm512_or_si512(low_nibbles(ql_a), _mm512_slli_epi32(_mm512_and_si512(qh, three), 4)),
+          _mm512_or_si512(low_nibbles(ql_b),
+                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, 2), three), 4)),
+          _mm512_or_si512(high_nibbles(ql_a),
+                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, 4), three), 4)),
+          _mm512_or_si512(high_nibbles(ql_b),
+                          _mm512_slli_epi32(_mm512_srli_epi32(qh, 6), 4))};
+      for (int j = 0; j < 4; ++j) {
+        const __m512 step = _mm512_set1_ps(d * float(scales[8 * h + l / 16 + 2 * j]));
+        store(out + 128 * h + 32 * j + l,
+              _mm512_mul_ps(step, as_float(_mm512_sub_epi32(quants[j], bias))));
+      }
+    }
+  }
+}
+
+template <typename T, void (*DECODE)(const uint8_t*, T*)>
+void blocks_of(const uint8_t* row, T* out, int64_t blocks, Format f) {
+  for (int64_t i = 0; i < blocks; ++i) DECODE(row + i * f.bytes, out + i * f.elements);
+}
+
+// Whether `type` has a vector decoder here.
+inline bool decodes(int64_t type) {
+  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
+}
+
+// Row `row` of the weight into out[0, K) as T; `type` one that `decodes`.
+template <typename T>
+void decode_row(int64_t type, const uint8_t* row, T* out, int64_t K) {
+  const Format f = format_of(type);
+  const int64_t blocks = K / f.elements;
+  switch (type) {
+    case Q4_0: return blocks_of<T, q4_0<T>>(row, out, blocks, f);
+    case Q4_1: return blocks_of<T, q4_1<T>>(row, out, blocks, f);
+    case Q8_0: return blocks_of<T, q8_0<T>>(row, out, blocks, f);
+    case Q4_K: return blocks_of<T, q4_k<T>>(row, out, blocks, f);
+    case Q6_K: return blocks_of<T, q6_k<T>>(row, out, blocks, f);
+  }
+}
+
+}  // namespace simd
+#endif
+
+// Rows [n0, n1) into `out` as T through the vector decoders where they serve `type` and T.
+template <typename T>
+void decode_rows_fast(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t K,
+                      int64_t n0, int64_t n1, T* out, float* scratch) {
+#if defined(__AVX512F__)
+  constexpr bool vector_store = std::is_same_v<T, float>
+#if defined(__AVX512BF16__)
+                                || std::is_same_v<T, at::BFloat16>
+#endif
+      ;
+  if constexpr (vector_store) {
+    if (simd::decodes(type)) {
+      for (int64_t n = n0; n < n1; ++n) {
+        simd::decode_row(type, blocks + n * row_bytes, out + (n - n0) * K, K);
+      }
+      return;
+    }
+  }
+#endif
+  decode_rows(type, blocks, row_bytes, K, n0, n1, out, scratch);
+}
+
+void check_blocks(const char* op, const at::Tensor& blocks, int64_t type, int64_t K) {
+  const Format f = format_of(type);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              op, ": the blocks as a contiguous uint8 tensor [rows, bytes], got ",
+              blocks.scalar_type(), " ", blocks.sizes());
+  TORCH_CHECK(K % f.elements == 0 && blocks.size(1) == K / f.elements * f.bytes, op,
+              ": ", K, " columns in blocks of ", f.elements, " take ", K / f.elements * f.bytes,
+              " bytes a row, the blocks have ", blocks.size(1));
+}
+
+// The weight [N, K] the blocks stand for, in `dtype`.
+at::Tensor ggml_dequantize(const at::Tensor& blocks, int64_t type, int64_t columns,
+                           at::ScalarType dtype) {
+  check_blocks("ggml_dequantize", blocks, type, columns);
+  const int64_t N = blocks.size(0), K = columns;
+  at::Tensor out = at::empty({N, K}, blocks.options().dtype(dtype));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  const int64_t row_bytes = blocks.size(1);
+  const auto decode = [&](auto* op) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      std::vector<float> scratch(K);
+      decode_rows_fast(type, bp, row_bytes, K, n0, n1, op + n0 * K, scratch.data());
+    });
+  };
+  switch (dtype) {
+    case at::kFloat: decode(out.data_ptr<float>()); break;
+    case at::kBFloat16: decode(out.data_ptr<at::BFloat16>()); break;
+    case at::kHalf: decode(out.data_ptr<at::Half>()); break;
+    default: TORCH_CHECK(false, "ggml_dequantize: weights as float32, bfloat16 or float16, not ",
+                         dtype);
+  }
+  return out;
+}
+
+#if defined(__AVX512F__)
+using namespace braid_few_rows;
+
+// Every input row against weight rows [n0, n1), NR decoded at a time into `tile_rows` (NR x K of
+// T, L1/L2-resident) and multiplied with groups of up to MAX_GROUP input rows.
+template <typename D, int NR>
+void decoded_tiles(int64_t type, const typename D::T* x, int64_t M, const uint8_t* blocks,
+                   int64_t row_bytes, typename D::T* y, int64_t N, int64_t K, int64_t n0,
+                   int64_t n1, typename D::T* tile_rows, float* scratch) {
+  for (int64_t n = n0; n + NR <= n1; n += NR) {
+    decode_rows_fast(type, blocks, row_bytes, K, n, n + NR, tile_rows, scratch);
+    for (int64_t m = 0; m < M; m += MAX_GROUP) {
+      const typename D::T* xm = x + m * K;
+      typename D::T* ym = y + m * N + n;
+      switch (std::min<int64_t>(M - m, MAX_GROUP)) {
+        case 1: tile<D, 1, NR>(xm, K, tile_rows, ym, N, K, nullptr, 0); break;
+        case 2: tile<D, 2, NR>(xm, K, tile_rows, ym, N, K, nullptr, 0); break;
+        case 3: tile<D, 3, NR>(xm, K, tile_rows, ym, N, K, nullptr, 0); break;
+        default: tile<D, 4, NR>(xm, K, tile_rows, ym, N, K, nullptr, 0); break;
+      }
+    }
+  }
+}
+
+template <typename D>
+at::Tensor few_rows_over_blocks(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
+  constexpr int64_t NR = 4;
+  const int64_t M = x.size(0), N = blocks.size(0), K = x.size(1), row_bytes = blocks.size(1);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const auto* xp = xc.data_ptr<typename D::T>();
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  auto* yp = y.data_ptr<typename D::T>();
+  at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<typename D::T> tile_rows(NR * K);
+    std::vector<float> scratch(K);
+    const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR), whole = n0 + (n1 - n0) / NR * NR;
+    decoded_tiles<D, NR>(type, xp, M, bp, row_bytes, yp, N, K, n0, whole, tile_rows.data(),
+                         scratch.data());
+    decoded_tiles<D, 1>(type, xp, M, bp, row_bytes, yp, N, K, whole, n1, tile_rows.data(),
+                        scratch.data());
+  });
+  return y;
+}
+#endif
+
+// Whether the few-row kernel serves x's dtype on this CPU (K a multiple of its vector).
+bool few_rows_serve(const at::Tensor& x) {
+#if defined(__AVX512F__)
+  if (x.scalar_type() == at::kFloat) return x.size(1) % Fp32Dot::CHUNK == 0;
+#endif
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16) return x.size(1) % Bf16Dot::CHUNK == 0;
+#endif
+  return false;
+}
+
+// Bytes of decoded weight handed to one GEMM of many rows: large enough for the GEMM to run at
+// speed, small enough to stay in L2/L3 while it does.
+constexpr int64_t CHUNK_BYTES = 4 << 20;
+
+// x [M, K] @ W^T for the weight W [N, K] in GGML blocks of `type`, in x's dtype: up to
+// `few_rows` rows through the few-row kernel over decoded tiles, more through ATen's GEMM over
+// decoded chunks of rows.
+at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
+                       int64_t few_rows) {
+  TORCH_CHECK(x.dim() == 2, "ggml_linear: an input [M, K], got ", x.sizes());
+  check_blocks("ggml_linear", blocks, type, x.size(1));
+  const int64_t M = x.size(0), N = blocks.size(0), K = x.size(1);
+#if defined(__AVX512F__)
+  if (M <= few_rows && few_rows_serve(x)) {
+    if (x.scalar_type() == at::kFloat) return few_rows_over_blocks<Fp32Dot>(x, blocks, type);
+#if defined(__AVX512BF16__)
+    return few_rows_over_blocks<Bf16Dot>(x, blocks, type);
+#endif
+  }
+#endif
+  at::Tensor y = at::empty({M, N}, x.options());
+  const int64_t chunk = std::max<int64_t>(16, CHUNK_BYTES / (K * x.element_size()));
+  for (int64_t n = 0; n < N; n += chunk) {
+    const int64_t rows = std::min(chunk, N - n);
+    const at::Tensor weight = ggml_dequantize(blocks.narrow(0, n, rows), type, K,
+                                              x.scalar_type());
+    y.narrow(1, n, rows).copy_(at::linear(x, weight));
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(braid, m) {
+  m.def("ggml_dequantize(Tensor blocks, int type, int columns, ScalarType dtype) -> Tensor");
+  m.def("ggml_linear(Tensor x, Tensor blocks, int type, int few_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(braid, CPU, m) {
+  m.impl("ggml_dequantize", &ggml_dequantize);
+  m.impl("ggml_linear", &ggml_linear);
+}

@@ -1,0 +1,125 @@
+"""Weights kept in llama.cpp's quantized blocks, as a GGUF file stores them.
+
+A GGUF file's Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K tensors are loaded as their bytes (a
+rank copies the rows, or the whole blocks of columns, it keeps) and computed from by braid's
+operators (`csrc/ggml_blocks.cpp`): no dequantized copy exists, so a rank holds its share of
+the file's bytes. `torch.ops.braid.ggml_linear` decodes a tile of weight rows at a time into
+the activation's dtype for GEMMs of a few rows and chunks of rows for larger ones; an embedding
+lookup decodes the rows it reads. Decoded values are those of the `gguf` package's
+`dequantize`, so results equal those over the dequantized weight in the same dtype.
+
+Loading goes through the layers' usual weight loaders: where a checkpoint tensor has blocks
+(`LazyWeight.ggml_type`) and the layer computes from them, the loader files the rows under the
+parameter (`file_blocks`); once every tensor is loaded, `keep_blocks` gives each layer its
+`GGMLWeight` and drops the dense parameter's memory. A layer that reads its weight as a matrix
+(MLA's `kv_b_proj`), a fused parameter that a checkpoint fills partly with dense tensors, and
+MoE experts get the dequantized weights instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from braid import native
+from braid.config import EngineConfig
+
+# GEMMs of at most this many rows run the few-row kernel over decoded tiles; larger ones
+# decode chunks of rows for ATen's GEMM (docs/kernel-choices.md, "GGUF blocks")
+FEW_ROWS = 32
+
+
+@dataclass
+class GGMLWeight:
+    """A layer's weight `[rows, columns]` as runs of rows in GGML blocks: `types[i]` and
+    `blocks[i]` (uint8, `[rows_i, bytes]`) for consecutive runs (one where the checkpoint's
+    tensors of a fused parameter share a format)."""
+
+    columns: int
+    types: list[int]
+    blocks: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.blocks)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ weight.T`, in `x`'s dtype."""
+        rows = x.reshape(-1, x.shape[-1])
+        parts = [torch.ops.braid.ggml_linear(rows, blocks, kind, FEW_ROWS)
+                 for kind, blocks in zip(self.types, self.blocks)]
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the weight in `dtype` (an embedding; one run of rows)."""
+        (kind,), (blocks,) = self.types, self.blocks
+        rows = blocks.index_select(0, ids.reshape(-1))
+        out = torch.ops.braid.ggml_dequantize(rows, kind, self.columns, dtype)
+        return out.view(*ids.shape, self.columns)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([torch.ops.braid.ggml_dequantize(blocks, kind, self.columns, dtype)
+                          for kind, blocks in zip(self.types, self.blocks)])
+
+
+def keeps_gguf_blocks(engine: EngineConfig) -> bool:
+    """Whether a launch of `engine` keeps its checkpoint's quantized blocks: a GGUF file,
+    `--quantization auto`, on CPU with braid's operators built."""
+    return (engine.compile.quantization == "auto" and Path(engine.model).is_file()
+            and engine.parallel.device == "cpu" and native.load())
+
+
+def file_blocks(param: nn.Parameter, row: int, kind: int, blocks: torch.Tensor) -> None:
+    """File `blocks` (GGML type `kind`) as `param`'s rows from `row` on, for `keep_blocks`."""
+    if not hasattr(param, "ggml_runs"):
+        param.ggml_runs = []
+    param.ggml_runs.append((row, kind, blocks))
+
+
+def keep_blocks(model: nn.Module) -> int:
+    """Give every layer whose weight was loaded as blocks its `GGMLWeight` (`layer.ggml`),
+    freeing the dense parameter (a zero-stride view keeps its shape); a parameter that a
+    checkpoint filled partly with dense rows gets its block rows dequantized into it instead.
+    The bytes kept as blocks."""
+    kept: dict[int, GGMLWeight | None] = {}
+    for layer in model.modules():
+        param = _dense_weight(layer)
+        if param is None or not (id(param) in kept or hasattr(param, "ggml_runs")):
+            continue
+        if id(param) not in kept:  # a tied weight is finished once, for both its layers
+            kept[id(param)] = _finish(param)
+        layer.ggml = kept[id(param)]
+    return sum(w.nbytes for w in kept.values() if w is not None)
+
+
+def _dense_weight(layer: nn.Module) -> nn.Parameter | None:
+    from braid.layers.quant import Quantizable
+
+    if isinstance(layer, Quantizable):
+        return layer.quantizable_weight()
+    return getattr(layer, "weight", None) if hasattr(layer, "ggml") else None
+
+
+def _finish(param: nn.Parameter) -> GGMLWeight | None:
+    runs = sorted(param.ggml_runs, key=lambda run: run[0])
+    del param.ggml_runs
+    rows, columns = param.shape
+    if sum(blocks.shape[0] for _, _, blocks in runs) < rows:  # some rows came dense
+        for row, kind, blocks in runs:
+            one = GGMLWeight(columns, [kind], [blocks])
+            param.data[row:row + blocks.shape[0]] = one.dequantize(param.dtype)
+        return None
+    types, merged = [], []
+    for _, kind, blocks in runs:  # consecutive runs of one format become one
+        if types and types[-1] == kind:
+            merged[-1].append(blocks)
+        else:
+            types.append(kind)
+            merged.append([blocks])
+    weight = GGMLWeight(columns, types, [torch.cat(b) if len(b) > 1 else b[0] for b in merged])
+    param.data = torch.zeros((), dtype=param.dtype).expand(rows, columns)
+    return weight
