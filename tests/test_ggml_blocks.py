@@ -1,0 +1,148 @@
+"""Weights kept in a GGUF file's quantized blocks (`braid.layers.ggml_weight`,
+`csrc/ggml_blocks.cpp`): every format decodes exactly as the `gguf` package dequantizes, GEMMs
+over the blocks equal GEMMs over the dequantized weight at every row count, a fused parameter
+keeps each of its tensors' formats, a split that cuts a block is refused by name, and the
+engine generates from the blocks what transformers generates from the dequantized weights, with
+overlap on and at tp 3, holding no more than the file's bytes."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from conftest import slow
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from test_hf_parity import check_logits
+
+from braid import LLM, SamplingParams, native
+from braid.distributed.comm import SkipCommunicator
+from braid.layers.ggml_weight import FEW_ROWS, keep_blocks
+from braid.layers.linear import QKVParallelLinear, RowParallelLinear
+from braid.layers.partition import partition_heads
+from braid.loader.weights import LazyWeight
+
+pytestmark = pytest.mark.skipif(not native.load(), reason="braid's C++ operators are not built")
+
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# Where each format keeps its fp16 scale (and minimum) in a block
+_HALVES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q8_0: (0,), Q.Q4_K: (0, 2),
+           Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def random_blocks(kind: Q, rows: int, columns: int, seed: int = 0) -> np.ndarray:
+    """`rows` rows of random blocks of `kind` (uint8 `[rows, bytes]`), their fp16 scales and
+    minimums small and finite: any bytes are a valid block."""
+    from gguf import GGML_QUANT_SIZES
+
+    elements, nbytes = GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, columns // elements, nbytes), dtype=np.uint8)
+    for offset in _HALVES[kind]:
+        halves = rng.uniform(1e-3, 2e-2, size=raw.shape[:2]).astype(np.float16)
+        raw[..., offset:offset + 2] = halves[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def dequantized(blocks: np.ndarray, kind: Q, columns: int) -> torch.Tensor:
+    return torch.from_numpy(dequantize(blocks, kind).reshape(-1, columns).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
+def test_blocks_decode_as_the_gguf_package_dequantizes(kind):
+    blocks = random_blocks(kind, 9, 512)
+    expected = dequantized(blocks, kind, 512)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = torch.ops.braid.ggml_dequantize(torch.from_numpy(blocks), int(kind), 512, dtype)
+        assert torch.equal(got, expected.to(dtype)), dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
+def test_a_product_over_blocks_is_the_product_with_the_dequantized_weight(kind, dtype):
+    """1-9 rows through the few-row kernel (tiles of four weight rows, then one at a time:
+    2101 rows), more through ATen's GEMM over decoded chunks (2101 rows of 512 make two)."""
+    rows, columns = 2101, 512
+    blocks = random_blocks(kind, rows, columns, seed=1)
+    weight = dequantized(blocks, kind, columns).to(dtype).double()
+    gen = torch.Generator().manual_seed(0)
+    for m in (1, 3, 5, 9, FEW_ROWS + 7):
+        x = torch.randn(m, columns, generator=gen).to(dtype)
+        y = torch.ops.braid.ggml_linear(x, torch.from_numpy(blocks), int(kind), FEW_ROWS)
+        assert y.dtype == dtype and y.shape == (m, rows)
+        # Rounding bounds relative to the sum of |products|: fp32 sums in another order, bf16
+        # outputs rounded to 8 bits
+        bound = (1e-5 if dtype == torch.float32 else 2 ** -8) * (x.double().abs() @ weight.abs().T)
+        assert ((y.double() - x.double() @ weight.T).abs() <= bound).all(), m
+
+
+def test_blocks_of_another_width_are_refused():
+    blocks = torch.from_numpy(random_blocks(Q.Q4_K, 4, 512))
+    with pytest.raises(RuntimeError, match="512 columns in blocks of 256 take 288 bytes"):
+        torch.ops.braid.ggml_linear(torch.zeros(1, 512), blocks[:, :100].contiguous(),
+                                    int(Q.Q4_K), FEW_ROWS)
+    with pytest.raises(RuntimeError, match="GGML type 1 has no block decoder"):
+        torch.ops.braid.ggml_linear(torch.zeros(1, 512), blocks, 1, FEW_ROWS)
+
+
+class BlockTensor(LazyWeight):
+    """A checkpoint tensor in quantized blocks, as a GGUF file's reads."""
+
+    def __init__(self, kind: Q, blocks: np.ndarray, columns: int) -> None:
+        self.ggml_type, self.blocks = int(kind), torch.from_numpy(blocks)
+        self.shape = (blocks.shape[0], columns)
+
+    def block_rows(self, start: int, length: int) -> torch.Tensor:
+        return self.blocks[start:start + length]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        whole = dequantized(self.blocks.numpy(), Q(self.ggml_type), self.shape[1])
+        return whole.narrow(dim, start, length)
+
+
+def test_a_fused_parameter_keeps_each_tensors_format():
+    """Q4_K_M's attention: Q and K in Q4_K, V in Q6_K. The fused QKV weight keeps two runs of
+    blocks (Q and K merged), its dense parameter holds no memory, and its product is the one
+    over the three dequantized tensors."""
+    hidden, head_dim = 256, 32
+    layer = QKVParallelLinear(hidden, head_dim, partition_heads(4, 2, 1)[0], SkipCommunicator(0, 1))
+    parts = {"q": BlockTensor(Q.Q4_K, random_blocks(Q.Q4_K, 128, hidden, 1), hidden),
+             "k": BlockTensor(Q.Q4_K, random_blocks(Q.Q4_K, 64, hidden, 2), hidden),
+             "v": BlockTensor(Q.Q6_K, random_blocks(Q.Q6_K, 64, hidden, 3), hidden)}
+    for shard, tensor in parts.items():
+        layer.weight.weight_loader(layer.weight, tensor, shard)
+    assert keep_blocks(layer) == sum(t.blocks.numel() for t in parts.values())
+    assert layer.ggml.types == [Q.Q4_K, Q.Q6_K]
+    assert layer.weight.untyped_storage().nbytes() <= 4  # the dense weight is gone
+    x = torch.randn(3, hidden)
+    dense = torch.cat([t.narrow(0, 0, t.shape[0]) for t in parts.values()])
+    expected = x.double() @ dense.double().T
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_parallel_split_that_cuts_a_block_names_the_tp():
+    layer = RowParallelLinear(768, 8, SkipCommunicator(0, 2))  # 384 columns: 1.5 blocks
+    tensor = BlockTensor(Q.Q4_K, random_blocks(Q.Q4_K, 8, 768), 768)
+    with pytest.raises(ValueError, match=r"tp 2: columns \[0, 384\) cut the Q4_K blocks"):
+        layer.weight.weight_loader(layer.weight, tensor, None)
+
+
+@pytest.mark.parametrize("tp,overlap", [(2, "on"), slow(3, "off")])
+def test_the_blocks_generate_what_transformers_does_from_the_dequantized_weights(
+        tp, overlap, model_path, prompt_ids, hf_reference):
+    """The embedded Q4_1 file (its embedding in Q8_0) in fp32: the ranks hold the file's
+    bytes (each its share), and logits and greedy tokens are transformers' on the dequantized
+    weights (tp 1 and 2 without overlap: test_hf_parity)."""
+    ref_logits, ref_greedy = hf_reference
+    with LLM(model_path, tp=tp, dtype="fp32", overlap=overlap) as llm:
+        readies = llm.core.executor.readies
+        check_logits(llm.prompt_logits(prompt_ids), ref_logits)
+        params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+        outputs = llm.generate(prompt_ids, params)
+    assert all("GGUF blocks kept" in r.kernels for r in readies)
+    weights = sum(r.weight_bytes for r in readies)
+    assert weights <= 1.05 * os.path.getsize(model_path), weights
+    for i, (out, ref) in enumerate(zip(outputs, ref_greedy)):
+        assert out.token_ids == ref, f"prompt {i}: greedy tokens differ from transformers"
