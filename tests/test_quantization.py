@@ -201,8 +201,10 @@ def bf16_runners(model_path):
     config = load_model_config(model_path)
     variants = {"none": {}, "int8": {"quantization": "int8"},
                 "row-major": {"weight_packing": False}, "fp32": {"dtype": "fp32"}}
+    # Dense weights (the file's blocks dequantized), in the forms these tests compare
     return {name: ModelRunner(EngineConfig.create(model=model_path, max_total_tokens=4096,
-                                                  **{"dtype": "bf16", **kwargs}),
+                                                  **{"dtype": "bf16", "quantization": "none",
+                                                     **kwargs}),
                               config, SkipCommunicator(0, 1))
             for name, kwargs in variants.items()}
 
