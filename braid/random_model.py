@@ -29,7 +29,7 @@ from braid.models.registry import RANDOM_MODELS
 
 # Every family's make-random-model names, and the presets each has.
 ARCHS = sorted(RANDOM_MODELS)
-PRESETS = ["tiny", "bench"]
+PRESETS = ["tiny", "bench", "1b", "3b", "8b"]
 # The chat template of each family that has one of its own (`RandomModel.chat_template`).
 CHAT_TEMPLATES = {name: spec.random.chat_template for name, spec in RANDOM_MODELS.items()
                   if spec.random.chat_template}
@@ -72,7 +72,8 @@ def weight_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
         if config["n_shared_experts"]:
             yield from _mlp(p + "mlp.shared_experts.", h, moe_inter * config["n_shared_experts"])
     yield "model.norm.weight", (h,)
-    yield "lm_head.weight", (config["vocab_size"], h)
+    if not config["tie_word_embeddings"]:
+        yield "lm_head.weight", (config["vocab_size"], h)
 
 
 def _mlp(prefix: str, hidden: int, inter: int) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -128,6 +129,9 @@ def make_random_model(arch: str, preset: str, out_dir: str, seed: int = 0,
         raise UserError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     if preset not in PRESETS:
         raise UserError(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    if preset not in RANDOM_MODELS[arch].random.presets:
+        raise UserError(f"--arch {arch} has no preset {preset!r} (its presets: "
+                        f"{', '.join(RANDOM_MODELS[arch].random.presets)})")
     dtype = dtype or ("fp32" if preset == "tiny" else "bf16")
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

@@ -19,6 +19,7 @@ from test_hf_parity import check_logits
 
 from braid import LLM, SamplingParams, native
 from braid.distributed.comm import SkipCommunicator
+from braid.layers import decode_kernel
 from braid.layers.ggml_weight import FEW_ROWS, keep_blocks
 from braid.layers.linear import QKVParallelLinear, RowParallelLinear
 from braid.layers.partition import partition_heads
@@ -76,6 +77,24 @@ def test_a_product_over_blocks_is_the_product_with_the_dequantized_weight(kind, 
         # outputs rounded to 8 bits
         bound = (1e-5 if dtype == torch.float32 else 2 ** -8) * (x.double().abs() @ weight.abs().T)
         assert ((y.double() - x.double() @ weight.T).abs() <= bound).all(), m
+
+
+@pytest.mark.skipif(not decode_kernel.few_rows_fits(torch.empty(1, 512, dtype=torch.bfloat16)),
+                    reason="the few-row kernel needs AVX512-BF16")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.Q5_K], ids=lambda k: k.name)
+def test_a_few_rows_over_blocks_give_the_dense_kernels_bits(kind, dtype):
+    """Up to FEW_ROWS rows (decoded in registers up to four, in tiles beyond; Q5_K by the
+    scalar decoder): the bits of the few-row kernel over the dequantized weight, so a step's
+    row count does not change a sequence's tokens, nor does the file's format."""
+    rows, columns = 70, 512
+    blocks = random_blocks(kind, rows, columns, seed=2)
+    weight = dequantized(blocks, kind, columns).to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    for m in (1, 2, 4, 5, 9, FEW_ROWS):
+        x = torch.randn(m, columns, generator=gen).to(dtype)
+        y = torch.ops.braid.ggml_linear(x, torch.from_numpy(blocks), int(kind), FEW_ROWS)
+        assert torch.equal(y, torch.ops.braid.few_rows_linear(x, weight)), m
 
 
 def test_blocks_of_another_width_are_refused():

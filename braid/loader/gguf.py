@@ -108,12 +108,14 @@ class GGUFWeight(LazyWeight):
     `head_dim` is set for permuted Q and K projections: their rows are unpermuted head by head
     after slicing, so a slice must start and end on head boundaries. `offset` is subtracted
     from every value (what the converter added to Gemma's norms). With `keep_blocks`, a 2-D
-    tensor in a format braid computes from has its `ggml_type` (`block_rows` gives its bytes).
+    tensor in a format braid computes from has its `ggml_type` (`block_rows` reads its bytes
+    from the file at `path`).
     """
 
     def __init__(self, tensor, head_dim: int | None = None, expert: int | None = None,
-                 offset: float = 0.0, keep_blocks: bool = False) -> None:
+                 offset: float = 0.0, keep_blocks: bool = False, path: str = "") -> None:
         self._tensor = tensor
+        self._path = path
         self._head_dim = head_dim
         self._expert = expert
         self._offset = offset
@@ -124,9 +126,16 @@ class GGUFWeight(LazyWeight):
             self.ggml_type = kind
 
     def block_rows(self, start: int, length: int) -> torch.Tensor:
+        """Read from the file, not through the reader's map: pages a rank touched in the map
+        would count in its memory beside its copy of them until the map closes."""
         if self.ggml_type is None:
             return super().block_rows(start, length)
-        rows = torch.from_numpy(np.array(self._tensor.data[start:start + length]))
+        row_bytes = self._tensor.data.shape[-1]
+        rows = torch.empty(length, row_bytes, dtype=torch.uint8)
+        with open(self._path, "rb", buffering=0) as file:
+            file.seek(self._tensor.data_offset + start * row_bytes)
+            if file.readinto(rows.numpy()) != rows.numel():
+                raise ValueError(f"{self._path}: tensor {self._tensor.name} is cut short")
         return self._unpermuted(rows, start, length)
 
     def _unpermuted(self, rows: torch.Tensor, start: int, length: int) -> torch.Tensor:
@@ -185,4 +194,5 @@ def iterate_gguf(path: str, config: ModelConfig, keep_blocks: bool = False
                 yield (f"{expert_name(base, expert)}.{match.group(2)}",
                        GGUFWeight(tensor, head_dim, expert, offset))
         else:
-            yield name, GGUFWeight(tensor, head_dim, offset=offset, keep_blocks=keep_blocks)
+            yield name, GGUFWeight(tensor, head_dim, offset=offset, keep_blocks=keep_blocks,
+                                   path=path)

@@ -176,6 +176,9 @@ def llama_gguf_config(cfg: dict, file: GGUFFile) -> None:
                mlp_bias="blk.0.ffn_up.bias" in file.shapes)
 
 
+# What Llama 3's configs share: the vocabulary and the rotary base
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)
+
 FAMILY = (
     Architecture(
         "LlamaForCausalLM", LlamaForCausalLM, model_type="llama", hf_config_class="LlamaConfig",
@@ -194,5 +197,13 @@ FAMILY = (
                          num_attention_heads=9, num_key_value_heads=3),
             "bench": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
                           num_attention_heads=16, num_key_value_heads=4),
+            # The shapes of Meta's Llama 3 models people run on CPUs (their vocabulary too;
+            # ids past the embedded tokenizer's are never produced by its prompts)
+            "1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+            "3b": dict(_LLAMA3, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                       num_attention_heads=24, num_key_value_heads=8, tie_word_embeddings=True),
+            "8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
         })),
 )

@@ -53,7 +53,9 @@ from braid.step import StepPlan
 # Set once in a rank process (`configure_compiler`), for every graph it compiles:
 # assert_indirect_indexing off: no bounds check per indexed load (token ids are checked when a
 # request is added; slots and block tables are the engine's own), a tenth of decode attention.
-_INDUCTOR = {"assert_indirect_indexing": False}
+# One compile thread: inductor's pool of compile workers (one per core by default) held a
+# third of a GiB across a tp 2 launch while the ranks, one per core, compile side by side anyway.
+_INDUCTOR = {"assert_indirect_indexing": False, "compile_threads": 1}
 # Floats a step reads (the norms' epsilon) are constants of the graph, not inputs made into
 # tensors on every call. Nothing a step varies is a float: sampling runs outside the graph.
 # A piece kind keeps a graph per row-count class, and a state that differs between layers'

@@ -3,6 +3,9 @@ cache, counted by the bytes of their storages (each once, however many views sha
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import torch
 from torch import nn
 
@@ -42,3 +45,13 @@ def kv_cache_bytes(model: nn.Module) -> int:
     tensors = [getattr(layer, name) for layer in model.attention_layers()
                for name in _CACHE_ATTRIBUTES if getattr(layer, name, None) is not None]
     return _bytes([t for t in tensors if isinstance(t, torch.Tensor)])
+
+
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's `malloc_trim`): loading frees
+    copies of the checkpoint's slices that the heap would otherwise keep, counted in the rank's
+    memory for as long as it runs. Nothing where the C library has no such call."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is not None:
+        trim(0)

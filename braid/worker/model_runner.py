@@ -34,7 +34,7 @@ from braid.worker.compiled_step import (
     warm_up_plans,
 )
 from braid.worker.kernels import plan_kernels
-from braid.worker.memory import kv_cache_bytes, weight_bytes
+from braid.worker.memory import kv_cache_bytes, release_free_memory, weight_bytes
 from braid.worker.sampler import postprocess
 from braid.worker.split import split_step
 
@@ -97,6 +97,7 @@ class ModelRunner:
 
             close_gguf_files()
         keep_blocks(self.model)
+        release_free_memory()
         self.model.to(self.device).eval()
         self._packed = make_weight_forms(self.model, self.kernels)
         configure_compile(self.kernels.fused_elementwise, self.kernels.operators,
