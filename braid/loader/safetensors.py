@@ -1,27 +1,75 @@
-"""Hugging Face safetensors folders (single file or sharded with an index), read lazily."""
+"""Hugging Face safetensors folders (single file or sharded with an index), read lazily.
+
+A rank reads the bytes of its slices with `preadv` into tensors of its own rather than through
+a map of the file: pages it touched in a map would stay mapped, counted in its memory beside
+its copy of them, until the map closed (a tp 2 launch of a 2.5 GB bf16 folder peaked 2.7 GB
+higher that way).
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import struct
 from collections.abc import Iterator
+from math import prod
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from braid.loader.weights import LazyWeight
 
+# safetensors' dtype names
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+          "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+          "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def read_header(file: Path) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data
+    starts."""
+    with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
 
 class SafetensorsWeight(LazyWeight):
-    """One tensor of a safetensors file; slices are read without loading the rest."""
+    """One tensor of a safetensors file; a slice of rows reads only those rows' bytes."""
 
-    def __init__(self, handle, name: str) -> None:
-        self._slice = handle.get_slice(name)
-        self.shape = tuple(self._slice.get_shape())
+    def __init__(self, file: Path, name: str, entry: dict, data_start: int) -> None:
+        if entry["dtype"] not in DTYPES:
+            raise ValueError(f"{file}: tensor {name} has dtype {entry['dtype']}, which braid "
+                             f"does not read (it reads {', '.join(DTYPES)})")
+        self._file, self._name = file, name
+        self._dtype = DTYPES[entry["dtype"]]
+        self.shape = tuple(entry["shape"])
+        self._offset = data_start + entry["data_offsets"][0]
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        index = [slice(None)] * len(self.shape)
-        index[dim] = slice(start, start + length)
-        return self._slice[tuple(index)]
+        if dim == 0:
+            return self._rows(start, length)
+        rows = self._rows(0, self.shape[0]).narrow(dim, start, length)
+        return rows.clone(memory_format=torch.contiguous_format)  # frees the other columns
+
+    def _rows(self, start: int, length: int) -> torch.Tensor:
+        inner = self.shape[1:]
+        out = torch.empty(length, *inner, dtype=self._dtype)
+        row_bytes = prod(inner) * self._dtype.itemsize
+        buffer = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else b""
+        fd = os.open(self._file, os.O_RDONLY)
+        try:
+            done, offset = 0, self._offset + start * row_bytes
+            while done < len(buffer):
+                read = os.preadv(fd, [buffer[done:]], offset + done)
+                if read == 0:
+                    raise ValueError(f"{self._file}: tensor {self._name} is cut short")
+                done += read
+        finally:
+            os.close(fd)
+        return out
 
 
 def iterate_safetensors(folder: str) -> Iterator[tuple[str, LazyWeight]]:
@@ -30,6 +78,6 @@ def iterate_safetensors(folder: str) -> Iterator[tuple[str, LazyWeight]]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                yield name, SafetensorsWeight(handle, name)
+        header, data_start = read_header(file)
+        for name, entry in header.items():
+            yield name, SafetensorsWeight(file, name, entry, data_start)
