@@ -6,6 +6,8 @@ into `torch.ops.braid`:
 - decode and prefill attention over the paged KV cache, the one-row GEMV, RMSNorm and the
   oneDNN linear over packed weights (`braid.layers.decode_kernel`, `braid.layers.quant`,
   `braid.layers.fused`);
+- linear layers and embedding lookups over a GGUF file's quantized blocks (`ggml_blocks.cpp`:
+  `braid.layers.ggml_weight`);
 - grammar bitmasks applied to logits (`token_bitmask.cpp`: `braid.worker.sampler`);
 - partial sums packed as int8 blocks and summed back (`int8_blocks.cpp`:
   `braid.distributed.compression`).

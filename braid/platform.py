@@ -1,9 +1,11 @@
 """What this host is: its CPU's ISA extensions, its memory ordering, the cores this process may
-use. Decisions built on these facts live with what they decide (`braid.config` resolves `auto`
+use; and handing the heap's free pages back to it. Decisions built on these facts live with what they decide (`braid.config` resolves `auto`
 settings, `braid.worker.kernels` picks a rank's kernels)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import os
 import platform
@@ -49,3 +51,14 @@ def usable_cores() -> list[int]:
         return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return list(range(os.cpu_count() or 1))
+
+
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's `malloc_trim`): loading frees
+    copies of the checkpoint's slices that the heap would otherwise keep, counted in the rank's
+    memory for as long as it runs. Nothing where the C library has no such call."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is not None:
+        trim(0)
+

@@ -26,6 +26,7 @@ from torch import nn
 
 from braid import native
 from braid.config import EngineConfig
+from braid.platform import release_free_memory
 
 # GEMMs of at most this many rows run the few-row kernel over decoded tiles; larger ones
 # decode chunks of rows for ATen's GEMM (docs/kernel-choices.md, "GGUF blocks")
@@ -92,6 +93,7 @@ def keep_blocks(model: nn.Module) -> int:
             continue
         if id(param) not in kept:  # a tied weight is finished once, for both its layers
             kept[id(param)] = _finish(param)
+            release_free_memory()  # the runs just merged: else the heap keeps them to the end
         layer.ggml = kept[id(param)]
     return sum(w.nbytes for w in kept.values() if w is not None)
 

@@ -23,6 +23,10 @@ only, so fp32 models keep the dense path (a warning says so). Inside a compiled 
 sequence the GEMMs read the int8 weights through braid's GEMV operator where the CPU has
 AVX512-BF16 (`decode_kernel.gemv_int8`).
 
+**GGUF blocks (`--quantization auto`).** A layer whose weight a GGUF file stores in quantized
+blocks keeps only those (`Quantizable.ggml`, `braid.layers.ggml_weight`): `apply_linear`
+computes from them and none of the forms here is made.
+
 **Few rows (`--few-row-gemm`).** GEMMs of up to the plan's `few_rows` rows (decode, speculative
 verification) run braid's kernel over the row-major bf16 or fp32 weight
 (`decode_kernel.few_rows_linear`), which streams the weight once for every row and computes

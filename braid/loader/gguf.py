@@ -39,12 +39,6 @@ def _reader(path: str) -> GGUFReader:
     return GGUFReader(path)
 
 
-def close_gguf_files() -> None:
-    """Unmap the GGUF files read so far: a rank that copied its weights out of a file would
-    otherwise keep the pages it read mapped, counted in its memory beside the copies."""
-    _reader.cache_clear()
-
-
 def _field(reader: GGUFReader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -174,8 +168,12 @@ def iterate_gguf(path: str, config: ModelConfig, keep_blocks: bool = False
     A tensor the family's naming does not cover keeps its GGUF name, which the weight loader
     reports as unexpected.
     """
-    reader = _reader(path)
+    # A reader of its own, whose metadata goes once the mapping is known: its fields hold the
+    # vocabulary as many small arrays (a quarter of a GiB for Llama 3's) that a rank would
+    # otherwise keep while it loads.
+    reader = GGUFReader(path)
     mapping = _metadata(reader, path)[0].gguf
+    reader.fields.clear()
     names = tensor_names(mapping, config.num_layers)
     for tensor in reader.tensors:
         if tensor.name in mapping.config_tensors:  # part of the config

@@ -21,6 +21,7 @@ from braid.loader.model_config import ModelConfig
 from braid.loader.weights import load_weights, with_progress
 from braid.models.registry import model_class
 from braid.overlap.operations import execute, execute_overlapped
+from braid.platform import release_free_memory
 from braid.step import RankReady, StepPlan, StepResult
 from braid.trace import tracer
 from braid.worker.compiled_step import (
@@ -34,7 +35,7 @@ from braid.worker.compiled_step import (
     warm_up_plans,
 )
 from braid.worker.kernels import plan_kernels
-from braid.worker.memory import kv_cache_bytes, release_free_memory, weight_bytes
+from braid.worker.memory import kv_cache_bytes, trimming, weight_bytes
 from braid.worker.sampler import postprocess
 from braid.worker.split import split_step
 
@@ -91,11 +92,7 @@ class ModelRunner:
         weights = checkpoint_weights(engine.model, config, cache_dtype, self.kernels.gguf_blocks)
         if comm.rank == 0:
             weights = with_progress(weights, "loading weights", delay_s=2.0)
-        load_weights(self.model, weights)
-        if Path(engine.model).is_file():
-            from braid.loader.gguf import close_gguf_files
-
-            close_gguf_files()
+        load_weights(self.model, trimming(weights))
         keep_blocks(self.model)
         release_free_memory()
         self.model.to(self.device).eval()
