@@ -1,6 +1,7 @@
 """What this host is: its CPU's ISA extensions, its memory ordering, the cores this process may
-use; and handing the heap's free pages back to it. Decisions built on these facts live with what they decide (`braid.config` resolves `auto`
-settings, `braid.worker.kernels` picks a rank's kernels)."""
+use; and handing the heap's free pages back to it. Decisions built on these facts live with
+what they decide (`braid.config` resolves `auto` settings, `braid.worker.kernels` picks a
+rank's kernels)."""
 
 from __future__ import annotations
 
