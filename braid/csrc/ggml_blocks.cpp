@@ -414,29 +414,6 @@ void decoded_tiles(int64_t type, const typename D::T* x, int64_t M, const uint8_
   }
 }
 
-template <typename D>
-at::Tensor few_rows_over_blocks(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
-  constexpr int64_t NR = 4;
-  const int64_t M = x.size(0), N = blocks.size(0), K = x.size(1), row_bytes = blocks.size(1);
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({M, N}, x.options());
-  const auto* xp = xc.data_ptr<typename D::T>();
-  const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  auto* yp = y.data_ptr<typename D::T>();
-  at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<typename D::T> tile_rows(NR * K);
-    std::vector<float> scratch(K);
-    const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR), whole = n0 + (n1 - n0) / NR * NR;
-    decoded_tiles<D, NR>(type, xp, M, bp, row_bytes, yp, N, K, n0, whole, tile_rows.data(),
-                         scratch.data());
-    decoded_tiles<D, 1>(type, xp, M, bp, row_bytes, yp, N, K, whole, n1, tile_rows.data(),
-                        scratch.data());
-  });
-  return y;
-}
-#endif
-
-#if defined(__AVX512F__)
 // Up to MAX_GROUP input rows: each weight row decoded in registers, 32 weights at a time, and
 // multiplied with every input row there (no tile written and read back: at one row, 1.3-2x
 // the decoded tiles' speed). Each output sums the same products in the same order as the
@@ -466,31 +443,37 @@ void rows_in_registers(int64_t type, const typename D::T* x, const uint8_t* bloc
   }
 }
 
+// x [M, K] @ W^T for M <= FEW_ROWS: four weight rows a task, decoded in registers for up to
+// MAX_GROUP input rows (formats with a vector decoder), else into a tile.
 template <typename D>
-at::Tensor few_rows_in_registers(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
+at::Tensor few_rows_over(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
+  constexpr int64_t NR = 4;  // weight rows a decoded tile holds
   const int64_t M = x.size(0), N = blocks.size(0), K = x.size(1), row_bytes = blocks.size(1);
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   const auto* xp = xc.data_ptr<typename D::T>();
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   auto* yp = y.data_ptr<typename D::T>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    switch (M) {
-      case 1: return rows_in_registers<D, 1>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
-      case 2: return rows_in_registers<D, 2>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
-      case 3: return rows_in_registers<D, 3>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
-      default: return rows_in_registers<D, 4>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
+  const bool in_registers = M <= MAX_GROUP && simd::decodes(type);
+  at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
+    if (in_registers) {
+      switch (M) {
+        case 1: return rows_in_registers<D, 1>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
+        case 2: return rows_in_registers<D, 2>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
+        case 3: return rows_in_registers<D, 3>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
+        default: return rows_in_registers<D, 4>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
+      }
     }
+    std::vector<typename D::T> tile_rows(NR * K);
+    std::vector<float> scratch(K);
+    const int64_t whole = n0 + (n1 - n0) / NR * NR;
+    decoded_tiles<D, NR>(type, xp, M, bp, row_bytes, yp, N, K, n0, whole, tile_rows.data(),
+                         scratch.data());
+    decoded_tiles<D, 1>(type, xp, M, bp, row_bytes, yp, N, K, whole, n1, tile_rows.data(),
+                        scratch.data());
   });
   return y;
-}
-
-template <typename D>
-at::Tensor few_rows_over(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
-  if (x.size(0) <= MAX_GROUP && simd::decodes(type)) {
-    return few_rows_in_registers<D>(x, blocks, type);
-  }
-  return few_rows_over_blocks<D>(x, blocks, type);
 }
 #endif
 

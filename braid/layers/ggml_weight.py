@@ -3,10 +3,11 @@
 A GGUF file's Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K tensors are loaded as their bytes (a
 rank copies the rows, or the whole blocks of columns, it keeps) and computed from by braid's
 operators (`csrc/ggml_blocks.cpp`): no dequantized copy exists, so a rank holds its share of
-the file's bytes. `torch.ops.braid.ggml_linear` decodes a tile of weight rows at a time into
-the activation's dtype for GEMMs of a few rows and chunks of rows for larger ones; an embedding
+the file's bytes. `torch.ops.braid.ggml_linear` decodes weight rows in registers (up to four
+input rows), in tiles (up to FEW_ROWS) or in chunks handed to ATen's GEMM (more); an embedding
 lookup decodes the rows it reads. Decoded values are those of the `gguf` package's
-`dequantize`, so results equal those over the dequantized weight in the same dtype.
+`dequantize`, so results equal those over the dequantized weight in the same dtype (the same
+bits, up to FEW_ROWS rows).
 
 Loading goes through the layers' usual weight loaders: where a checkpoint tensor has blocks
 (`LazyWeight.ggml_type`) and the layer computes from them, the loader files the rows under the
@@ -26,7 +27,7 @@ from torch import nn
 
 from braid import native
 from braid.config import EngineConfig
-from braid.platform import release_free_memory
+from braid.platform import cpu_flags, release_free_memory
 
 # GEMMs of at most this many rows run the few-row kernel over decoded tiles; larger ones
 # decode chunks of rows for ATen's GEMM (docs/kernel-choices.md, "GGUF blocks")
@@ -67,11 +68,18 @@ class GGMLWeight:
                           for kind, blocks in zip(self.types, self.blocks)])
 
 
+# The CPU feature the kernels over blocks need for decode, by activation dtype: elsewhere every
+# GEMM would decode its whole weight, so the blocks are dequantized at load instead
+_DECODE_FEATURE = {torch.bfloat16: "avx512_bf16", torch.float32: "avx512f"}
+
+
 def keeps_gguf_blocks(engine: EngineConfig) -> bool:
     """Whether a launch of `engine` keeps its checkpoint's quantized blocks: a GGUF file,
-    `--quantization auto`, on CPU with braid's operators built."""
+    `--quantization auto`, on a CPU whose vector units the decode kernels use for the run's
+    dtype, with braid's operators built."""
     return (engine.compile.quantization == "auto" and Path(engine.model).is_file()
-            and engine.parallel.device == "cpu" and native.load())
+            and engine.parallel.device == "cpu"
+            and _DECODE_FEATURE.get(engine.torch_dtype) in cpu_flags() and native.load())
 
 
 def file_blocks(param: nn.Parameter, row: int, kind: int, blocks: torch.Tensor) -> None:

@@ -198,6 +198,8 @@ class RowParallelLinear(nn.Module, Quantizable):
         try:
             load_rows(param, 0, weight, 1, *self.in_range, "row shard")
         except ValueError as e:
+            if weight.ggml_type is None:
+                raise
             raise ValueError(f"row-parallel split at tp {self.comm.world_size}: {e} "
                              "(--quantization none computes from dequantized weights)") from e
 
