@@ -29,7 +29,9 @@ from braid.models.registry import RANDOM_MODELS
 
 # Every family's make-random-model names, and the presets each has.
 ARCHS = sorted(RANDOM_MODELS)
-PRESETS = ["tiny", "bench", "1b", "3b", "8b"]
+# Every family has the common presets; the real shapes are Llama's.
+COMMON_PRESETS = ["tiny", "bench"]
+PRESETS = [*COMMON_PRESETS, "1b", "3b", "8b"]
 # The chat template of each family that has one of its own (`RandomModel.chat_template`).
 CHAT_TEMPLATES = {name: spec.random.chat_template for name, spec in RANDOM_MODELS.items()
                   if spec.random.chat_template}

@@ -18,7 +18,15 @@ from braid.errors import UserError
 from braid.loader.tokenizer import apply_chat_template, load_tokenizer
 from braid.models.config_fields import check_config_fields
 from braid.models.registry import RANDOM_MODELS
-from braid.random_model import ARCHS, CHAT_TEMPLATES, PRESETS, make_random_model
+from braid.random_model import (
+    ARCHS,
+    CHAT_TEMPLATES,
+    COMMON_PRESETS,
+    PRESETS,
+    make_random_model,
+    model_config,
+    weight_shapes,
+)
 
 # The default suite builds the families whose tiny presets differ most (MoE with a dense layer,
 # Gemma's norms and layer kinds, Phi-3's fused tensors); the others run in `make test-all`.
@@ -199,6 +207,24 @@ def test_cli_offers_every_family(tmp_path):
         make_random_model("gemma2", "tiny", str(tmp_path / "x"))
 
 
-def test_every_family_has_every_preset():
+def test_every_family_has_the_common_presets_and_others_are_refused_by_name():
     for arch in ARCHS:
-        assert list(RANDOM_MODELS[arch].random.presets) == PRESETS, arch
+        presets = list(RANDOM_MODELS[arch].random.presets)
+        assert presets[:len(COMMON_PRESETS)] == COMMON_PRESETS, arch
+        assert set(presets) <= set(PRESETS), arch
+    with pytest.raises(UserError, match=r"--arch qwen3 has no preset '1b' \(its presets: tiny, "
+                                        r"bench\)"):
+        make_random_model("qwen3", "1b", "unused")
+
+
+def test_the_real_shape_presets_are_llama_3s():
+    """What `--preset 1b` writes, checked without writing it (2.5 GB): Llama-3.2-1B's config."""
+    config = model_config("llama", "1b", 128256, None, None)
+    assert {k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "num_key_value_heads", "vocab_size",
+                                   "tie_word_embeddings")} == {
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "tie_word_embeddings": True}
+    names = [name for name, _ in weight_shapes(config)]
+    assert "lm_head.weight" not in names and len(names) == 2 + 16 * 9  # tied: no head
