@@ -236,10 +236,11 @@ class CompileConfig(_Group):
         "none: every weight dequantized to --dtype at load; int8: that, plus per-channel int8 "
         "copies of the linear weights, used by GEMMs of a few rows (decode at small batch; "
         "bf16/fp16 models)", choices=("auto", "none", "int8"))
-    weight_packing: bool = setting(
-        True, "keep bf16 linear weights row-major only on CPU, without oneDNN's blocked copy "
-        "(which makes decode's GEMMs of few rows faster, and costs the weights' memory "
-        "again)", off_flag="--no-weight-packing")
+    weight_packing: str = setting(
+        "auto", "oneDNN's blocked copy of bf16 linear weights on CPU, beside the row-major one "
+        "(the weights' memory again), read by GEMMs past the few-row kernel's rows. auto: where "
+        "it pays, on CPUs with AMX (or where the few-row kernel is off); on: always; off: never",
+        choices=("auto", "on", "off"))
     few_row_gemm: int | None = setting(
         None, "GEMMs of up to this many rows (decode, speculative verification) run braid's "
         "few-row kernel over the row-major weight on CPUs with AVX-512 (bf16 needs "

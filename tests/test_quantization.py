@@ -199,8 +199,8 @@ def test_the_gated_mlp_activation_computes_silu_times_up(limit, rows):
 @pytest.fixture(scope="module")
 def bf16_runners(model_path):
     config = load_model_config(model_path)
-    variants = {"none": {}, "int8": {"quantization": "int8"},
-                "row-major": {"weight_packing": False}, "fp32": {"dtype": "fp32"}}
+    variants = {"none": {"weight_packing": "on"}, "int8": {"quantization": "int8"},
+                "row-major": {"weight_packing": "off"}, "fp32": {"dtype": "fp32"}}
     # Dense weights (the file's blocks dequantized), in the forms these tests compare
     return {name: ModelRunner(EngineConfig.create(model=model_path, max_total_tokens=4096,
                                                   **{"dtype": "bf16", "quantization": "none",

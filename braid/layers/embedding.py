@@ -89,7 +89,7 @@ class ParallelLMHead(nn.Module, Quantizable):
         if (self.few_rows or self.packed is not None or int8_applies(hidden, self.int8)
                 or self.ggml is not None or torch.compiler.is_compiling()):
             return self.apply_linear(hidden)
-        # Neither (fp32 or --no-weight-packing without the few-row kernel): weight @ hidden^T,
+        # Neither (fp32, or unpacked bf16 without the few-row kernel): weight @ hidden^T,
         # which MKL runs faster than F.linear for the few rows of a decode step.
         return torch.mm(self.quantizable_weight(), hidden.t()).t()
 

@@ -1,14 +1,14 @@
 """The weight forms a linear layer's GEMM reads, made at load time from any checkpoint.
 
-**Packed bf16 (CPU, default).** Each bf16 linear weight also gets oneDNN's blocked copy, which
-GEMMs of at most the rank's `KernelPlan.packed_max_rows` rows (decode, short prompts) read:
-they no longer reorder the weight on every call, with bit-identical results. With AMX, larger
-GEMMs read the row-major weight, which is kept: AMX's GEMM reorders it faster than it reads
-the blocked copy; without AMX the packed weights win at every size. The copy costs the
-weights' bytes again. fp32 keeps the row-major weights only (oneDNN's packed fp32 GEMM was not
-faster). `--no-weight-packing` turns it off. A SwiGLU's merged gate/up weight is packed as its
-two halves instead, and `gated_silu` applies SiLU and the product in the two GEMMs' oneDNN
-epilogues: no pass over the activation. Figures: docs/kernel-choices.md, "Weights".
+**Packed bf16 (CPU; by default with AMX).** Each bf16 linear weight also gets oneDNN's blocked
+copy, which GEMMs of at most the rank's `KernelPlan.packed_max_rows` rows read (past the few-row
+kernel's): they no longer reorder the weight on every call, with bit-identical results. With
+AMX, larger GEMMs read the row-major weight, which is kept: AMX's GEMM reorders it faster than
+it reads the blocked copy. The copy costs the weights' bytes again, so without AMX (where it
+tied the row-major GEMMs past the few-row kernel's rows) `--weight-packing auto` makes none.
+fp32 keeps the row-major weights only (oneDNN's packed fp32 GEMM was not faster). A SwiGLU's
+merged gate/up weight is packed as its two halves instead, and `gated_silu` applies SiLU and the
+product in the two GEMMs' oneDNN epilogues: no pass over the activation. Figures: docs/kernel-choices.md, "Weights".
 Packed weights are oneDNN's opaque tensors, which compiled graphs cannot take as inputs, so the
 GEMM over one is braid's operator `packed_linear` (`csrc/packed_linear.cpp`), which finds the
 weight by its number in a table of the process (a one-element tensor, so that one graph serves

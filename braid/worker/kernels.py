@@ -49,7 +49,7 @@ def plan_kernels(engine: EngineConfig, model: nn.Module) -> KernelPlan:
         prefill_attention=_prefill_attention(decode_operator, attention, dtype, device),
         gguf_blocks=operators and keeps_gguf_blocks(engine),
         int8_weights=_int8_weights(engine),
-        packed_weights=(engine.compile.weight_packing and operators
+        packed_weights=(_packs(engine, operators)
                         and packing_supported(torch.empty(0, dtype=dtype, device=device))),
         packed_max_rows=AMX_PACKED_MAX_ROWS if "amx_bf16" in cpu_flags() else None,
         few_rows=_few_rows(engine) if operators else 0,
@@ -130,6 +130,19 @@ def blocked_prefill_is_faster(dtype: torch.dtype, device: str) -> bool:
     so SDPA stays."""
     return (device == "cpu" and dtype == torch.bfloat16
             and "avx512_bf16" in cpu_flags() and "amx_bf16" not in cpu_flags())
+
+
+def _packs(engine: EngineConfig, operators: bool) -> bool:
+    """`--weight-packing`: auto packs where the copy pays for its memory, on CPUs with AMX
+    (1.4x faster GEMMs of 33-256 rows) or where the few-row kernel is off (oneDNN then runs
+    decode's GEMMs); without AMX the few-row kernel takes decode and packed prefill GEMMs
+    tied the row-major ones (docs/kernel-choices.md, "Packed bf16 weights")."""
+    mode = engine.compile.weight_packing
+    if mode == "auto":
+        few_rows_here = _few_rows(engine) > 0 and decode_kernel.few_rows_fits(
+            torch.empty(1, 64, dtype=engine.torch_dtype))
+        return operators and ("amx_bf16" in cpu_flags() or not few_rows_here)
+    return operators and mode == "on"
 
 
 def _int8_weights(engine: EngineConfig) -> bool:
