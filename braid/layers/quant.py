@@ -8,11 +8,12 @@ it reads the blocked copy. The copy costs the weights' bytes again, so without A
 tied the row-major GEMMs past the few-row kernel's rows) `--weight-packing auto` makes none.
 fp32 keeps the row-major weights only (oneDNN's packed fp32 GEMM was not faster). A SwiGLU's
 merged gate/up weight is packed as its two halves instead, and `gated_silu` applies SiLU and the
-product in the two GEMMs' oneDNN epilogues: no pass over the activation. Figures: docs/kernel-choices.md, "Weights".
-Packed weights are oneDNN's opaque tensors, which compiled graphs cannot take as inputs, so the
-GEMM over one is braid's operator `packed_linear` (`csrc/packed_linear.cpp`), which finds the
-weight by its number in a table of the process (a one-element tensor, so that one graph serves
-every layer): eager steps and compiled graphs (their GEMMs of few rows) call the same operator.
+product in the two GEMMs' oneDNN epilogues: no pass over the activation. Figures:
+docs/kernel-choices.md, "Weights". Packed weights are oneDNN's opaque tensors, which compiled
+graphs cannot take as inputs, so the GEMM over one is braid's operator `packed_linear`
+(`csrc/packed_linear.cpp`), which finds the weight by its number in a table of the process (a
+one-element tensor, so that one graph serves every layer): eager steps and compiled graphs
+(their GEMMs of few rows) call the same operator.
 
 **int8 (`--quantization int8`).** Each linear layer's weight gets an int8 copy, symmetric per
 output channel (`scale = max |w| / 127`), quantised from this rank's shard. A GEMM of a few rows
