@@ -32,6 +32,8 @@ from braid.platform import cpu_flags, release_free_memory
 # GEMMs of at most this many rows run the few-row kernel over decoded tiles; larger ones
 # decode chunks of rows for ATen's GEMM (docs/kernel-choices.md, "GGUF blocks")
 FEW_ROWS = 32
+# Weights merged between two trims of the heap (a trim walks the heap: milliseconds)
+TRIM_EVERY = 16
 
 
 @dataclass
@@ -101,7 +103,8 @@ def keep_blocks(model: nn.Module) -> int:
             continue
         if id(param) not in kept:  # a tied weight is finished once, for both its layers
             kept[id(param)] = _finish(param)
-            release_free_memory()  # the runs just merged: else the heap keeps them to the end
+            if len(kept) % TRIM_EVERY == 0:  # the runs merged so far: else the heap keeps them
+                release_free_memory()
         layer.ggml = kept[id(param)]
     return sum(w.nbytes for w in kept.values() if w is not None)
 
