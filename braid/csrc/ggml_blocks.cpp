@@ -4,11 +4,12 @@
 // A weight [N, K] is N rows of K / elements blocks each. A row is decoded into fp32 exactly as
 // the `gguf` package's `dequantize` computes it (scale times quant, minus the block's minimum),
 // then rounded to the activation's dtype where that is bf16, so a product equals the one over
-// the dequantized weight that braid loaded before. Decode and other GEMMs of a few rows decode
-// a tile of weight rows at a time into a buffer that stays in L1/L2 and run the few-row
-// micro-kernel (few_rows.h) over it: memory carries the blocks' bytes only (Q4: a quarter of
-// bf16's). Larger GEMMs (prefill) decode a chunk of rows at a time and hand it to ATen's GEMM,
-// whose cost grows with the rows while the decoding's does not.
+// the dequantized weight that braid loaded before. GEMMs of up to four rows (decode) decode
+// each weight row in registers and multiply it there; up to FEW_ROWS (32) rows, a tile of four
+// weight rows at a time goes to a buffer that stays in L1/L2 for the few-row micro-kernel
+// (few_rows.h); either way memory carries the blocks' bytes only (Q4: a quarter of bf16's).
+// Larger GEMMs (prefill) decode a chunk of rows at a time and hand it to ATen's GEMM, whose
+// cost grows with the rows while the decoding's does not.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
