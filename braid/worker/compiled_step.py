@@ -53,9 +53,7 @@ from braid.step import StepPlan
 # Set once in a rank process (`configure_compiler`), for every graph it compiles:
 # assert_indirect_indexing off: no bounds check per indexed load (token ids are checked when a
 # request is added; slots and block tables are the engine's own), a tenth of decode attention.
-# One compile thread: inductor's pool of compile workers (one per core by default) held a
-# third of a GiB across a tp 2 launch while the ranks, one per core, compile side by side anyway.
-_INDUCTOR = {"assert_indirect_indexing": False, "compile_threads": 1}
+_INDUCTOR = {"assert_indirect_indexing": False}
 # Floats a step reads (the norms' epsilon) are constants of the graph, not inputs made into
 # tensors on every call. Nothing a step varies is a float: sampling runs outside the graph.
 # A piece kind keeps a graph per row-count class, and a state that differs between layers'
@@ -71,13 +69,17 @@ _CPP_WRAPPER = {"cpp_wrapper": True}
 WARM_UP_ROWS = 16
 
 
-def configure_compiler() -> None:
-    """The compiler settings of every graph braid compiles in this process (a rank's).
-    Inductor's compiled kernels are kept under braid's cache (beside the saved graphs that name
-    them) unless the user chose a folder."""
+def configure_compiler(world_size: int = 1) -> None:
+    """The compiler settings of every graph braid compiles in this process (a rank's of
+    `world_size`). Inductor's compiled kernels are kept under braid's cache (beside the saved
+    graphs that name them) unless the user chose a folder. With several ranks each compiles
+    with one thread: inductor's pool of compile workers (one per core by default) held a third
+    of a GiB across a tp 2 launch, while the ranks, one per core, compile side by side anyway."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     for key, value in _INDUCTOR.items():
         setattr(torch._inductor.config, key, value)
+    if world_size > 1:
+        torch._inductor.config.compile_threads = 1
     for key, value in _DYNAMO.items():
         setattr(torch._dynamo.config, key, value)
 

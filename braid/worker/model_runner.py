@@ -138,7 +138,7 @@ class ModelRunner:
         # The graphs hold the real collectives whatever the last step skipped (--skip-comm): a
         # graph traced over the no-op ones would be saved and loaded by later launches.
         self.comm.skip = False
-        configure_compiler()
+        configure_compiler(self.comm.world_size)
         mark_static(self.model)
         decode = self._decode_step
         block_size = self.engine.kv_cache.block_size

@@ -33,7 +33,7 @@ def worker_main(rank: int, world_size: int, conn: Connection, engine: EngineConf
     """Rank entry point (`braid.distributed.ranks` runs it): every rank answers "ready" with its
     `RankReady`; rank 0 answers steps and "compile" (`ModelRunner.prepare_compiled`), which
     every rank runs at the same point."""
-    configure_compiler()
+    configure_compiler(world_size)
     comm = make_communicator(engine, rank, world_size, segment)
     runner = ModelRunner(engine, config, comm)
     trace = enable_tracing(rank) if engine.trace else None
