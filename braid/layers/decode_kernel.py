@@ -86,12 +86,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                                   block_tables, seq_lens, scale)
 
 
+def few_rows_serve(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs the few-row kernel (and the GGUF blocks' decode kernels) for
+    activations of `dtype`: bf16 with AVX512-BF16, fp32 with AVX-512 (the library is built for
+    the host's ISA)."""
+    flag = {torch.bfloat16: "avx512_bf16", torch.float32: "avx512f"}.get(dtype)
+    return flag in cpu_flags()
+
+
 def few_rows_fits(weight: torch.Tensor) -> bool:
-    """Whether the few-row kernel takes this weight: row-major bf16 on a CPU with AVX512-BF16
-    or fp32 on one with AVX-512 (the library is built for the host's ISA), its rows a multiple
-    of a vector's elements."""
-    flag = {torch.bfloat16: "avx512_bf16", torch.float32: "avx512f"}.get(weight.dtype)
-    return (weight.device.type == "cpu" and flag in cpu_flags()
+    """Whether the few-row kernel takes this weight: row-major, on a CPU it serves
+    (`few_rows_serve`), its rows a multiple of a vector's elements."""
+    return (weight.device.type == "cpu" and few_rows_serve(weight.dtype)
             and weight.dim() == 2 and weight.is_contiguous()
             and weight.shape[1] % _FEW_ROWS_CHUNK[weight.dtype] == 0)
 

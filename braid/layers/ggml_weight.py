@@ -27,7 +27,8 @@ from torch import nn
 
 from braid import native
 from braid.config import EngineConfig
-from braid.platform import cpu_flags, release_free_memory
+from braid.layers import decode_kernel
+from braid.platform import release_free_memory
 
 # GEMMs of at most this many rows run the few-row kernel over decoded tiles; larger ones
 # decode chunks of rows for ATen's GEMM (docs/kernel-choices.md, "GGUF blocks")
@@ -70,18 +71,14 @@ class GGMLWeight:
                           for kind, blocks in zip(self.types, self.blocks)])
 
 
-# The CPU feature the kernels over blocks need for decode, by activation dtype: elsewhere every
-# GEMM would decode its whole weight, so the blocks are dequantized at load instead
-_DECODE_FEATURE = {torch.bfloat16: "avx512_bf16", torch.float32: "avx512f"}
-
-
 def keeps_gguf_blocks(engine: EngineConfig) -> bool:
     """Whether a launch of `engine` keeps its checkpoint's quantized blocks: a GGUF file,
     `--quantization auto`, on a CPU whose vector units the decode kernels use for the run's
-    dtype, with braid's operators built."""
+    dtype (elsewhere every GEMM would decode its whole weight, so the blocks are dequantized
+    at load instead), with braid's operators built."""
     return (engine.compile.quantization == "auto" and Path(engine.model).is_file()
             and engine.parallel.device == "cpu"
-            and _DECODE_FEATURE.get(engine.torch_dtype) in cpu_flags() and native.load())
+            and decode_kernel.few_rows_serve(engine.torch_dtype) and native.load())
 
 
 def file_blocks(param: nn.Parameter, row: int, kind: int, blocks: torch.Tensor) -> None:

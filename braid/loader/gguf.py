@@ -22,7 +22,7 @@ from gguf.quants import dequantize
 
 from braid.loader.gguf_families import config_dict, expert_name, family_of, tensor_names
 from braid.loader.model_config import ModelConfig
-from braid.loader.weights import LazyWeight
+from braid.loader.weights import LazyWeight, read_into
 
 if TYPE_CHECKING:  # the model code's package, which the API process must not load
     from braid.models.spec import Architecture
@@ -125,11 +125,9 @@ class GGUFWeight(LazyWeight):
         if self.ggml_type is None:
             return super().block_rows(start, length)
         row_bytes = self._tensor.data.shape[-1]
-        rows = torch.empty(length, row_bytes, dtype=torch.uint8)
-        with open(self._path, "rb", buffering=0) as file:
-            file.seek(self._tensor.data_offset + start * row_bytes)
-            if file.readinto(rows.numpy()) != rows.numel():
-                raise ValueError(f"{self._path}: tensor {self._tensor.name} is cut short")
+        rows = read_into(self._path, self._tensor.data_offset + start * row_bytes,
+                         torch.empty(length, row_bytes, dtype=torch.uint8),
+                         f"tensor {self._tensor.name}")
         return self._unpermuted(rows, start, length)
 
     def _unpermuted(self, rows: torch.Tensor, start: int, length: int) -> torch.Tensor:

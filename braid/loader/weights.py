@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from abc import ABC, abstractmethod
@@ -26,6 +27,24 @@ def with_progress(items: Iterable[T], desc: str, delay_s: float) -> Iterable[T]:
 
     tqdm.set_lock(threading.RLock())
     return tqdm(items, desc=desc, unit="tensor", file=sys.stderr, delay=delay_s, leave=False)
+
+
+def read_into(path: str | os.PathLike, offset: int, out: torch.Tensor, what: str) -> torch.Tensor:
+    """`out` (contiguous) filled with the bytes of file `path` from `offset` on, by plain reads:
+    pages a rank touched through a map of the file would stay counted in its memory beside its
+    copy of them until the map closed. `ValueError` naming `what` where the file ends first."""
+    buffer = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else b""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(buffer):
+            read = os.preadv(fd, [buffer[done:]], offset + done)
+            if read == 0:
+                raise ValueError(f"{path}: {what} is cut short")
+            done += read
+    finally:
+        os.close(fd)
+    return out
 
 
 class LazyWeight(ABC):

@@ -139,8 +139,8 @@ def _packs(engine: EngineConfig, operators: bool) -> bool:
     tied the row-major ones (docs/kernel-choices.md, "Packed bf16 weights")."""
     mode = engine.compile.weight_packing
     if mode == "auto":
-        few_rows_here = _few_rows(engine) > 0 and decode_kernel.few_rows_fits(
-            torch.empty(1, 64, dtype=engine.torch_dtype))
+        few_rows_here = _few_rows(engine) > 0 and decode_kernel.few_rows_serve(
+            engine.torch_dtype)
         return operators and ("amx_bf16" in cpu_flags() or not few_rows_here)
     return operators and mode == "on"
 
