@@ -1,6 +1,8 @@
 """Weights kept in a GGUF file's quantized blocks (`braid.layers.ggml_weight`,
-`csrc/ggml_blocks.cpp`): every format decodes exactly as the `gguf` package dequantizes, GEMMs
-over the blocks equal GEMMs over the dequantized weight at every row count, a fused parameter
+`csrc/ggml_blocks.cpp`, `csrc/ggml_int8.cpp`): every format decodes exactly as the `gguf`
+package dequantizes, GEMMs over the blocks equal GEMMs over the dequantized weight at every row
+count (with the input rounded to int8 per 256 columns where the int8 kernels serve, as
+llama.cpp computes), a row's result does not depend on the rows beside it, a fused parameter
 keeps each of its tensors' formats, a split that cuts a block is refused by name, and the
 engine generates from the blocks what transformers generates from the dequantized weights, with
 overlap on and at tp 3, holding no more than the file's bytes."""
@@ -20,7 +22,7 @@ from test_hf_parity import check_logits
 from braid import LLM, SamplingParams, native
 from braid.distributed.comm import SkipCommunicator
 from braid.layers import decode_kernel
-from braid.layers.ggml_weight import FEW_ROWS, keep_blocks
+from braid.layers.ggml_weight import FEW_ROWS, int8_dot_types, keep_blocks
 from braid.layers.linear import QKVParallelLinear, RowParallelLinear
 from braid.layers.partition import partition_heads
 from braid.loader.weights import LazyWeight
@@ -60,11 +62,28 @@ def test_blocks_decode_as_the_gguf_package_dequantizes(kind):
         assert torch.equal(got, expected.to(dtype)), dtype
 
 
+def int8_input_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` in float64 with x first rounded as the int8 kernels round it: per 256
+    columns, to the nearest even multiple of the block's largest |x| / 127."""
+    blocks = x.float().view(x.shape[0], -1, 256)
+    largest = blocks.abs().amax(-1, keepdim=True)
+    quants = torch.round(blocks * (127 / largest))
+    return ((quants * (largest / 127)).double()).view(x.shape) @ weight.double().T
+
+
+def reference_product(x: torch.Tensor, weight: torch.Tensor, kind: Q) -> torch.Tensor:
+    """What `ggml_linear` computes over blocks of `kind` dequantizing to `weight`, in float64."""
+    if int(kind) in int8_dot_types() and x.shape[0] <= FEW_ROWS:
+        return int8_input_product(x, weight)
+    return x.double() @ weight.double().T
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
 def test_a_product_over_blocks_is_the_product_with_the_dequantized_weight(kind, dtype):
     """1-9 rows through the few-row kernel (tiles of four weight rows, then one at a time:
-    2101 rows), more through ATen's GEMM over decoded chunks (2101 rows of 512 make two)."""
+    2101 rows) or the int8 one, more through ATen's GEMM over decoded chunks (2101 rows of 512
+    make two)."""
     rows, columns = 2101, 512
     blocks = random_blocks(kind, rows, columns, seed=1)
     weight = dequantized(blocks, kind, columns).to(dtype).double()
@@ -73,28 +92,40 @@ def test_a_product_over_blocks_is_the_product_with_the_dequantized_weight(kind, 
         x = torch.randn(m, columns, generator=gen).to(dtype)
         y = torch.ops.braid.ggml_linear(x, torch.from_numpy(blocks), int(kind), FEW_ROWS)
         assert y.dtype == dtype and y.shape == (m, rows)
+        int8_input = int(kind) in int8_dot_types() and m <= FEW_ROWS
+        expected = reference_product(x, weight, kind)
         # Rounding bounds relative to the sum of |products|: fp32 sums in another order, bf16
         # outputs rounded to 8 bits
         bound = (1e-5 if dtype == torch.float32 else 2 ** -8) * (x.double().abs() @ weight.abs().T)
-        assert ((y.double() - x.double() @ weight.T).abs() <= bound).all(), m
+        assert ((y.double() - expected).abs() <= bound).all(), m
+        if int8_input:  # and from the exact product, at most half a step of the int8 grid
+            steps = x.double().view(m, -1, 256).abs().amax(-1) / 127
+            rounding = (steps / 2).repeat_interleave(256, dim=1) @ weight.abs().T
+            exact = x.double() @ weight.T
+            assert ((y.double() - exact).abs() <= rounding + bound).all(), m
+            if dtype == torch.float32:  # (bf16's own rounding hides the inputs')
+                assert ((y.double() - exact).abs() > bound).any(), "the inputs were not rounded"
 
 
 @pytest.mark.skipif(not decode_kernel.few_rows_fits(torch.empty(1, 512, dtype=torch.bfloat16)),
                     reason="the few-row kernel needs AVX512-BF16")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.Q5_K], ids=lambda k: k.name)
-def test_a_few_rows_over_blocks_give_the_dense_kernels_bits(kind, dtype):
+def test_a_few_rows_over_blocks_do_not_depend_on_the_row_count(kind, dtype):
     """Up to FEW_ROWS rows (decoded in registers up to four, in tiles beyond; Q5_K by the
     scalar decoder): the bits of the few-row kernel over the dequantized weight, so a step's
-    row count does not change a sequence's tokens, nor does the file's format."""
+    row count does not change a sequence's tokens, nor does the file's format. Through the int8
+    kernels (Q4_K, Q6_K with VNNI), each row's bits are those it has alone."""
     rows, columns = 70, 512
-    blocks = random_blocks(kind, rows, columns, seed=2)
-    weight = dequantized(blocks, kind, columns).to(dtype)
-    gen = torch.Generator().manual_seed(0)
+    blocks = torch.from_numpy(random_blocks(kind, rows, columns, seed=2))
+    weight = dequantized(blocks.numpy(), kind, columns).to(dtype)
+    x = torch.randn(FEW_ROWS, columns, generator=torch.Generator().manual_seed(0)).to(dtype)
+    every_row = torch.ops.braid.ggml_linear(x, blocks, int(kind), FEW_ROWS)
     for m in (1, 2, 4, 5, 9, FEW_ROWS):
-        x = torch.randn(m, columns, generator=gen).to(dtype)
-        y = torch.ops.braid.ggml_linear(x, torch.from_numpy(blocks), int(kind), FEW_ROWS)
-        assert torch.equal(y, torch.ops.braid.few_rows_linear(x, weight)), m
+        y = torch.ops.braid.ggml_linear(x[-m:], blocks, int(kind), FEW_ROWS)
+        assert torch.equal(y, every_row[-m:]), m
+        if int(kind) not in int8_dot_types():
+            assert torch.equal(y, torch.ops.braid.few_rows_linear(x[-m:], weight)), m
 
 
 def test_blocks_of_another_width_are_refused():
@@ -136,9 +167,11 @@ def test_a_fused_parameter_keeps_each_tensors_format():
     assert layer.ggml.types == [Q.Q4_K, Q.Q6_K]
     assert layer.weight.untyped_storage().nbytes() <= 4  # the dense weight is gone
     x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(0))
-    dense = torch.cat([t.narrow(0, 0, t.shape[0]) for t in parts.values()]).double()
-    bound = 1e-5 * (x.double().abs() @ dense.abs().T)  # fp32 sums' rounding
-    assert ((layer(x).double() - x.double() @ dense.T).abs() <= bound).all()
+    dense = [t.narrow(0, 0, t.shape[0]) for t in parts.values()]
+    expected = torch.cat([reference_product(x, w, Q(t.ggml_type))
+                          for w, t in zip(dense, parts.values())], dim=1)
+    bound = 1e-5 * (x.double().abs() @ torch.cat(dense).double().abs().T)  # fp32 sums' rounding
+    assert ((layer(x).double() - expected).abs() <= bound).all()
 
 
 def test_a_row_parallel_split_that_cuts_a_block_names_the_tp():

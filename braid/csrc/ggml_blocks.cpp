@@ -12,7 +12,6 @@
 // cost grows with the rows while the decoding's does not.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -21,35 +20,11 @@
 #include <vector>
 
 #include "few_rows.h"
+#include "ggml_format.h"
 
 namespace {
 
-// GGML's type numbers (ggml.h, `gguf.GGMLQuantizationType`) of the formats decoded here
-enum GgmlType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-
-struct Format {
-  int64_t elements;  // weights per block
-  int64_t bytes;     // bytes per block
-};
-
-Format format_of(int64_t type) {
-  switch (type) {
-    case Q4_0: return {32, 18};
-    case Q4_1: return {32, 20};
-    case Q5_0: return {32, 22};
-    case Q8_0: return {32, 34};
-    case Q4_K: return {256, 144};
-    case Q5_K: return {256, 176};
-    case Q6_K: return {256, 210};
-  }
-  TORCH_CHECK(false, "GGML type ", type, " has no block decoder here");
-}
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return float(c10::Half(bits, c10::Half::from_bits()));
-}
+using namespace braid_ggml;
 
 // One block's weights into out[0, elements), per format. Each follows the block layout of
 // ggml-quants.c; the arithmetic is the `gguf` package's, in fp32.
@@ -230,18 +205,12 @@ void q8_0(const uint8_t* b, Emit& emit) {
 
 template <typename Emit>
 void q4_k(const uint8_t* b, Emit& emit) {
-  // The eight 6-bit scales and minimums unpacked four at a time (bits as in scale_min_k4),
-  // then multiplied by d and dmin in one vector
-  uint32_t w[3];
-  std::memcpy(w, b + 4, sizeof w);
-  const uint32_t packed[4] = {
-      w[0] & 0x3f3f3f3f, (w[2] & 0x0f0f0f0f) | ((w[0] >> 2) & 0x30303030),
-      w[1] & 0x3f3f3f3f, ((w[2] >> 4) & 0x0f0f0f0f) | ((w[1] >> 2) & 0x30303030)};
+  alignas(16) uint8_t unpacked[16];  // the scales and minimums, then multiplied by d and dmin
+  unpack_scales_k4(b + 4, unpacked);
   const __m512 factors = _mm512_insertf32x8(_mm512_set1_ps(half_at(b)),
                                             _mm256_set1_ps(half_at(b + 2)), 1);
   alignas(64) float scaled[16];  // d * scale[0..7], dmin * min[0..7]
-  _mm512_store_ps(scaled, _mm512_mul_ps(factors, as_float(bytes(
-      reinterpret_cast<const uint8_t*>(packed)))));
+  _mm512_store_ps(scaled, _mm512_mul_ps(factors, as_float(bytes(unpacked))));
   for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 high
     const __m512i first = bytes(b + 16 + 32 * c), second = bytes(b + 32 + 32 * c);
     for (int i = 2 * c; i < 2 * c + 2; ++i) {
@@ -501,6 +470,7 @@ at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
   TORCH_CHECK(x.dim() == 2, "ggml_linear: an input [M, K], got ", x.sizes());
   check_blocks("ggml_linear", blocks, type, x.size(1));
   const int64_t M = x.size(0), N = blocks.size(0), K = x.size(1);
+  if (M <= few_rows && int8_dot_serves(type, x)) return int8_dot_linear(x, blocks, type);
 #if defined(__AVX512F__)
   if (M <= few_rows && few_rows_serve(x)) {
     if (x.scalar_type() == at::kFloat) return few_rows_over<Fp32Dot>(x, blocks, type);

@@ -28,13 +28,25 @@ from torch import nn
 from braid import native
 from braid.config import EngineConfig
 from braid.layers import decode_kernel
-from braid.platform import release_free_memory
+from braid.platform import cpu_flags, release_free_memory
 
 # GEMMs of at most this many rows run the few-row kernel over decoded tiles; larger ones
 # decode chunks of rows for ATen's GEMM (docs/kernel-choices.md, "GGUF blocks")
 FEW_ROWS = 32
 # Weights merged between two trims of the heap (a trim walks the heap: milliseconds)
 TRIM_EVERY = 16
+
+
+def int8_dot_types() -> frozenset[int]:
+    """The GGML types whose GEMMs of up to FEW_ROWS rows quantize the input rows to int8 and
+    multiply them with the blocks' quants in integers (`csrc/ggml_int8.cpp`, AVX512-VNNI), as
+    llama.cpp does: Q4_K and Q6_K. Other types, and CPUs without VNNI, multiply the decoded
+    weights with the inputs as they are."""
+    from gguf import GGMLQuantizationType as Q
+
+    if {"avx512_vnni", "avx512bw"} <= set(cpu_flags()):
+        return frozenset({int(Q.Q4_K), int(Q.Q6_K)})
+    return frozenset()
 
 
 @dataclass

@@ -1,0 +1,57 @@
+// GGML's block formats as a GGUF file stores them (ggml-quants.c's layouts), for the kernels
+// that read them: ggml_blocks.cpp (decoding to floats) and ggml_int8.cpp (int8 dot products).
+#pragma once
+
+#include <torch/extension.h>
+#include <c10/util/Half.h>
+
+#include <cstring>
+
+namespace braid_ggml {
+
+// GGML's type numbers (ggml.h, `gguf.GGMLQuantizationType`) of the formats read here
+enum GgmlType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+struct Format {
+  int64_t elements;  // weights per block
+  int64_t bytes;     // bytes per block
+};
+
+inline Format format_of(int64_t type) {
+  switch (type) {
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+  }
+  TORCH_CHECK(false, "GGML type ", type, " has no block decoder here");
+}
+
+// The fp16 number at p (blocks keep their scales as fp16, unaligned)
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return float(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// A K-quant's eight 6-bit scales (first 8 bytes) and minimums (last 8) from its 12 packed bytes,
+// as ggml-quants.c's get_scale_min_k4 unpacks them, four at a time.
+inline void unpack_scales_k4(const uint8_t* packed, uint8_t out[16]) {
+  uint32_t w[3];
+  std::memcpy(w, packed, sizeof w);
+  const uint32_t unpacked[4] = {
+      w[0] & 0x3f3f3f3f, (w[2] & 0x0f0f0f0f) | ((w[0] >> 2) & 0x30303030),
+      w[1] & 0x3f3f3f3f, ((w[2] >> 4) & 0x0f0f0f0f) | ((w[1] >> 2) & 0x30303030)};
+  std::memcpy(out, unpacked, sizeof unpacked);
+}
+
+// Whether ggml_int8.cpp computes GEMMs of x's rows over blocks of `type` on this CPU.
+bool int8_dot_serves(int64_t type, const at::Tensor& x);
+// x [M, K] @ W^T over W's blocks of `type`, with x quantized to int8 per 256 elements (as
+// llama.cpp computes its K-quants); `int8_dot_serves` must hold.
+at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type);
+
+}  // namespace braid_ggml

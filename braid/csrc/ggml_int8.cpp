@@ -1,0 +1,255 @@
+// GEMMs of a few rows (decode, small batches, speculative verification) over Q4_K and Q6_K
+// blocks through int8 dot products (AVX512-VNNI), as llama.cpp computes its K-quants: each input
+// row is quantized to int8 per 256 elements (one scale a block, like its Q8_K), and a weight
+// row's quants meet the input's in `vpdpbusd` (64 unsigned quants times 64 signed inputs a
+// vector) without becoming floats; the block's scales apply to the integer sums, its fp16 factors
+// once per block. Decoding floats for `vdpbf16ps` (ggml_blocks.cpp) spends about twice the
+// instructions a weight, and was bound by them, not by memory.
+//
+// A row's result depends on that row alone, summed in one order whatever the row count, so
+// decode is row-count invariant; it differs from the product over the dequantized weight by the
+// input's rounding to int8 (a relative error of about 1/254 of each block's largest input).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "ggml_format.h"
+
+namespace braid_ggml {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+namespace {
+
+constexpr int64_t BLOCK = 256;  // elements of a K-quant super-block and of an input block
+constexpr int MAX_GROUP = 4;    // input rows sharing each weight row's decoded quants
+
+// Input rows quantized per BLOCK elements: row m's block b is scale[m, b] * q[m, b, :], with q
+// in the order in which the weight format's vectors meet it, and the integer sums of q that
+// the format's offsets need.
+struct QuantizedInput {
+  int64_t blocks;               // per row
+  std::vector<int8_t> q;        // [M, K]
+  std::vector<float> scale;     // [M, blocks]
+  std::vector<int32_t> sums;    // [M, blocks, 16]
+  const int8_t* quants(int64_t m, int64_t b) const { return q.data() + (m * blocks + b) * BLOCK; }
+  const int32_t* sums_of(int64_t m, int64_t b) const { return sums.data() + (m * blocks + b) * 16; }
+};
+
+inline __m512 load_floats(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_floats(const at::BFloat16* p) {  // a bf16 is the top half of an fp32
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Where the 32 inputs of Q4_K's sub-block j sit in a block: a vector of 64 quant bytes holds
+// sub-blocks j (low nibbles) and j + 1 (high) for even j, and its two halves serve sub-blocks
+// 4h + {0, 2} and 4h + {1, 3}, so the inputs go in the order 0 2 1 3 4 6 5 7.
+inline int64_t q4_k_offset(int j) { return 128 * (j / 4) + 32 * ((j % 2) * 2 + (j % 4) / 2); }
+
+// Rows of x [M, K] quantized for `type`: Q4_K wants the sub-block order above and sums per 32
+// in lanes 8-15 (beside its minimums); Q6_K the natural order and sums per 16.
+template <typename T>
+QuantizedInput quantize_input(const T* x, int64_t M, int64_t K, int64_t type) {
+  QuantizedInput in{K / BLOCK, std::vector<int8_t>(M * K), std::vector<float>(M * (K / BLOCK)),
+                    std::vector<int32_t>(M * (K / BLOCK) * 16, 0)};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < in.blocks; ++b) {
+      const T* src = x + m * K + b * BLOCK;
+      __m512 values[16];
+      __m512 largest = _mm512_setzero_ps();
+      for (int i = 0; i < 16; ++i) {
+        values[i] = load_floats(src + 16 * i);
+        largest = _mm512_max_ps(largest, _mm512_abs_ps(values[i]));
+      }
+      const float amax = _mm512_reduce_max_ps(largest);
+      float& scale = in.scale[m * in.blocks + b];
+      int8_t* q = in.q.data() + (m * in.blocks + b) * BLOCK;
+      int32_t* sums = in.sums.data() + (m * in.blocks + b) * 16;
+      if (!std::isfinite(amax)) {  // NaN or inf: the block's products become NaN, not finite
+        scale = std::numeric_limits<float>::quiet_NaN();
+        continue;  // (quants stay zero)
+      }
+      scale = amax / 127.f;
+      const __m512 inverse = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      for (int i = 0; i < 16; ++i) {  // 16 inputs at a time, rounded to nearest even
+        const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(values[i], inverse));
+        const int64_t at = type == Q4_K ? q4_k_offset(i / 2) + 16 * (i % 2) : 16 * i;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at), _mm512_cvtsepi32_epi8(rounded));
+        const int32_t sum = _mm512_reduce_add_epi32(rounded);
+        if (type == Q4_K) sums[8 + i / 2] += sum;
+        else sums[i] = sum;
+      }
+    }
+  }
+  return in;
+}
+
+// The int8 products of 64 weight quants (unsigned) and 64 inputs, 4 to a lane, times each
+// lane's scale.
+inline __m512i scaled_dot(__m512i weights, const int8_t* inputs, __m512i scales) {
+  const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), weights,
+                                          _mm512_loadu_si512(inputs));
+  return _mm512_mullo_epi32(dot, scales);
+}
+
+// Lane l of index vector k picks sub-block `first(k) + l / per` of a block's scales.
+inline __m512i lanes_index(int first, int per) {
+  alignas(64) int32_t index[16];
+  for (int l = 0; l < 16; ++l) index[l] = first + l / per;
+  return _mm512_load_si512(index);
+}
+
+// Q4_K block: (d scale_j) q - (dmin min_j) for sub-block j of 32; q in 0..15.
+template <int MR>
+void q4_k_row(const uint8_t* row, int64_t blocks, const QuantizedInput& in, int64_t m0,
+              float out[MR]) {
+  // Sub-blocks of vectors 0-3 (see q4_k_offset): {0, 2}, {1, 3}, {4, 6}, {5, 7}, 8 lanes each
+  static const __m512i pick[4] = {
+      _mm512_mask_set1_epi32(_mm512_set1_epi32(0), 0xFF00, 2),
+      _mm512_mask_set1_epi32(_mm512_set1_epi32(1), 0xFF00, 3),
+      _mm512_mask_set1_epi32(_mm512_set1_epi32(4), 0xFF00, 6),
+      _mm512_mask_set1_epi32(_mm512_set1_epi32(5), 0xFF00, 7)};
+  const __m512i nibble = _mm512_set1_epi8(15);
+  __m512 acc[MR], minimums[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = minimums[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = row + b * 144;
+    const float d = half_at(block), dmin = half_at(block + 2);
+    alignas(16) uint8_t unpacked[16];
+    unpack_scales_k4(block + 4, unpacked);
+    // scale_0..7 in lanes 0-7, min_0..7 in lanes 8-15
+    const __m512i scales = _mm512_cvtepu8_epi32(_mm_load_si128(
+        reinterpret_cast<const __m128i*>(unpacked)));
+    const __m512i first = _mm512_loadu_si512(block + 16), second = _mm512_loadu_si512(block + 80);
+    const __m512i quants[4] = {
+        _mm512_and_si512(first, nibble), _mm512_and_si512(_mm512_srli_epi16(first, 4), nibble),
+        _mm512_and_si512(second, nibble), _mm512_and_si512(_mm512_srli_epi16(second, 4), nibble)};
+    __m512i lane_scales[4];
+    for (int k = 0; k < 4; ++k) lane_scales[k] = _mm512_permutexvar_epi32(pick[k], scales);
+    for (int m = 0; m < MR; ++m) {
+      const int8_t* q = in.quants(m0 + m, b);
+      __m512i sum = scaled_dot(quants[0], q, lane_scales[0]);
+      for (int k = 1; k < 4; ++k)
+        sum = _mm512_add_epi32(sum, scaled_dot(quants[k], q + 64 * k, lane_scales[k]));
+      const float scale = in.scale[(m0 + m) * in.blocks + b];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * scale), acc[m]);
+      // sum_j min_j * (sum of sub-block j's inputs), in lanes 8-15 (the sums' lanes 0-7 are 0)
+      const __m512i offsets = _mm512_mullo_epi32(scales, _mm512_loadu_si512(in.sums_of(m0 + m, b)));
+      minimums[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(offsets), _mm512_set1_ps(dmin * scale),
+                                    minimums[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    out[m] = _mm512_reduce_add_ps(acc[m]) - _mm512_reduce_add_ps(minimums[m]);
+}
+
+// Q6_K block: (d scale_i) (q - 32) for sub-block i of 16; q in 0..63 from 4 low bits in ql and
+// 2 high bits in qh. A vector of 64 ql bytes holds elements 0-63 of its half in the low
+// nibbles and 64-127 in the high ones, and qh's 32 bytes give each of the four quarters 2 bits.
+template <int MR>
+void q6_k_row(const uint8_t* row, int64_t blocks, const QuantizedInput& in, int64_t m0,
+              float out[MR]) {
+  static const __m512i pick[4] = {lanes_index(0, 4), lanes_index(4, 4), lanes_index(8, 4),
+                                  lanes_index(12, 4)};
+  // qh's bits 0-1 and 2-3 to bits 4-5 for the low quarters, bits 4-5 and 6-7 for the high
+  const __m512i to_low = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i to_high = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+  const __m512i nibble = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = row + b * 210;
+    const float d = half_at(block + 208);
+    const __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(block + 192)));
+    __m512i quants[4];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i low = _mm512_loadu_si512(block + 64 * h);
+      const __m256i high_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+          block + 128 + 32 * h));
+      const __m512i high = _mm512_inserti64x4(_mm512_castsi256_si512(high_bits), high_bits, 1);
+      quants[2 * h] = _mm512_or_si512(_mm512_and_si512(low, nibble),
+                                      _mm512_and_si512(_mm512_sllv_epi16(high, to_low), top));
+      quants[2 * h + 1] = _mm512_or_si512(
+          _mm512_and_si512(_mm512_srli_epi16(low, 4), nibble),
+          _mm512_and_si512(_mm512_srlv_epi16(high, to_high), top));
+    }
+    __m512i lane_scales[4];
+    for (int k = 0; k < 4; ++k) lane_scales[k] = _mm512_permutexvar_epi32(pick[k], scales);
+    for (int m = 0; m < MR; ++m) {
+      const int8_t* q = in.quants(m0 + m, b);
+      __m512i sum = scaled_dot(quants[0], q, lane_scales[0]);
+      for (int k = 1; k < 4; ++k)
+        sum = _mm512_add_epi32(sum, scaled_dot(quants[k], q + 64 * k, lane_scales[k]));
+      // minus 32 * sum_i scale_i * (sum of sub-block i's inputs)
+      const __m512i offsets = _mm512_mullo_epi32(scales, _mm512_loadu_si512(in.sums_of(m0 + m, b)));
+      sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(offsets, 5));
+      const float scale = in.scale[(m0 + m) * in.blocks + b];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * scale), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+template <int MR>
+void row_times_inputs(int64_t type, const uint8_t* row, int64_t blocks,
+                      const QuantizedInput& in, int64_t m0, float out[MR]) {
+  if (type == Q4_K) return q4_k_row<MR>(row, blocks, in, m0, out);
+  return q6_k_row<MR>(row, blocks, in, m0, out);
+}
+
+template <typename T>
+at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
+  const int64_t M = x.size(0), N = blocks.size(0), K = x.size(1), row_bytes = blocks.size(1);
+  const at::Tensor xc = x.contiguous();
+  const QuantizedInput in = quantize_input(xc.data_ptr<T>(), M, K, type);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = bp + n * row_bytes;
+      for (int64_t m = 0; m < M; m += MAX_GROUP) {
+        float out[MAX_GROUP];
+        const int64_t group = std::min<int64_t>(M - m, MAX_GROUP);
+        switch (group) {
+          case 1: row_times_inputs<1>(type, row, in.blocks, in, m, out); break;
+          case 2: row_times_inputs<2>(type, row, in.blocks, in, m, out); break;
+          case 3: row_times_inputs<3>(type, row, in.blocks, in, m, out); break;
+          default: row_times_inputs<4>(type, row, in.blocks, in, m, out); break;
+        }
+        for (int64_t i = 0; i < group; ++i) yp[(m + i) * N + n] = T(out[i]);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+#endif
+
+bool int8_dot_serves(int64_t type, const at::Tensor& x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const bool dtype = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+  return (type == Q4_K || type == Q6_K) && dtype && x.size(1) % BLOCK == 0;
+#else
+  return false;
+#endif
+}
+
+at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
+  TORCH_CHECK(int8_dot_serves(type, x), "int8_dot_linear: no int8 kernel for GGML type ", type,
+              " and ", x.scalar_type(), " inputs of ", x.size(1), " columns on this CPU");
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (x.scalar_type() == at::kBFloat16) return linear<at::BFloat16>(x, blocks, type);
+  return linear<float>(x, blocks, type);
+#else
+  return at::Tensor();  // (not reached: nothing is served without VNNI)
+#endif
+}
+
+}  // namespace braid_ggml
