@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 SAMPLE_S = 0.1
+# A sample makes the kernel walk every page of every process's maps (smaps_rollup): tens of
+# milliseconds for ranks holding gigabytes, taken from the cores the benchmark measures (at
+# 0.1 s apart, a quarter of a core while a 1B model decoded). Waiting this many times a
+# sample's cost before the next keeps that near 2% of one core.
+WAIT_PER_COST = 50
 
 
 def _children(pid: int) -> list[int]:
@@ -52,8 +58,10 @@ class PeakMemory:
 
     def _sample(self) -> None:
         while True:
+            start = time.perf_counter()
             self.bytes = max(self.bytes, summed_pss_bytes())
-            if self._done.wait(SAMPLE_S):
+            cost = time.perf_counter() - start
+            if self._done.wait(max(SAMPLE_S, WAIT_PER_COST * cost)):
                 return
 
     def __enter__(self) -> PeakMemory:
