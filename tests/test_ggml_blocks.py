@@ -22,7 +22,7 @@ from test_hf_parity import check_logits
 from braid import LLM, SamplingParams, native
 from braid.distributed.comm import SkipCommunicator
 from braid.layers import decode_kernel
-from braid.layers.ggml_weight import FEW_ROWS, int8_dot_types, keep_blocks
+from braid.layers.ggml_weight import FEW_ROWS, int8_input_blocks, keep_blocks
 from braid.layers.linear import QKVParallelLinear, RowParallelLinear
 from braid.layers.partition import partition_heads
 from braid.loader.weights import LazyWeight
@@ -62,10 +62,10 @@ def test_blocks_decode_as_the_gguf_package_dequantizes(kind):
         assert torch.equal(got, expected.to(dtype)), dtype
 
 
-def int8_input_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T` in float64 with x first rounded as the int8 kernels round it: per 256
+def int8_input_product(x: torch.Tensor, weight: torch.Tensor, block: int) -> torch.Tensor:
+    """`x @ weight.T` in float64 with x first rounded as the int8 kernels round it: per `block`
     columns, to the nearest even multiple of the block's largest |x| / 127."""
-    blocks = x.float().view(x.shape[0], -1, 256)
+    blocks = x.float().view(x.shape[0], -1, block)
     largest = blocks.abs().amax(-1, keepdim=True)
     quants = torch.round(blocks * (127 / largest))
     return ((quants * (largest / 127)).double()).view(x.shape) @ weight.double().T
@@ -73,8 +73,9 @@ def int8_input_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def reference_product(x: torch.Tensor, weight: torch.Tensor, kind: Q) -> torch.Tensor:
     """What `ggml_linear` computes over blocks of `kind` dequantizing to `weight`, in float64."""
-    if int(kind) in int8_dot_types() and x.shape[0] <= FEW_ROWS:
-        return int8_input_product(x, weight)
+    block = int8_input_blocks().get(int(kind))
+    if block and x.shape[0] <= FEW_ROWS:
+        return int8_input_product(x, weight, block)
     return x.double() @ weight.double().T
 
 
@@ -92,15 +93,16 @@ def test_a_product_over_blocks_is_the_product_with_the_dequantized_weight(kind, 
         x = torch.randn(m, columns, generator=gen).to(dtype)
         y = torch.ops.braid.ggml_linear(x, torch.from_numpy(blocks), int(kind), FEW_ROWS)
         assert y.dtype == dtype and y.shape == (m, rows)
-        int8_input = int(kind) in int8_dot_types() and m <= FEW_ROWS
+        block = int8_input_blocks().get(int(kind))
+        int8_input = block and m <= FEW_ROWS
         expected = reference_product(x, weight, kind)
         # Rounding bounds relative to the sum of |products|: fp32 sums in another order, bf16
         # outputs rounded to 8 bits
         bound = (1e-5 if dtype == torch.float32 else 2 ** -8) * (x.double().abs() @ weight.abs().T)
         assert ((y.double() - expected).abs() <= bound).all(), m
         if int8_input:  # and from the exact product, at most half a step of the int8 grid
-            steps = x.double().view(m, -1, 256).abs().amax(-1) / 127
-            rounding = (steps / 2).repeat_interleave(256, dim=1) @ weight.abs().T
+            steps = x.double().view(m, -1, block).abs().amax(-1) / 127
+            rounding = (steps / 2).repeat_interleave(block, dim=1) @ weight.abs().T
             exact = x.double() @ weight.T
             assert ((y.double() - exact).abs() <= rounding + bound).all(), m
             if dtype == torch.float32:  # (bf16's own rounding hides the inputs')
@@ -110,12 +112,12 @@ def test_a_product_over_blocks_is_the_product_with_the_dequantized_weight(kind, 
 @pytest.mark.skipif(not decode_kernel.few_rows_fits(torch.empty(1, 512, dtype=torch.bfloat16)),
                     reason="the few-row kernel needs AVX512-BF16")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.Q5_K], ids=lambda k: k.name)
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_K], ids=lambda k: k.name)
 def test_a_few_rows_over_blocks_do_not_depend_on_the_row_count(kind, dtype):
     """Up to FEW_ROWS rows (decoded in registers up to four, in tiles beyond; Q5_K by the
     scalar decoder): the bits of the few-row kernel over the dequantized weight, so a step's
     row count does not change a sequence's tokens, nor does the file's format. Through the int8
-    kernels (Q4_K, Q6_K with VNNI), each row's bits are those it has alone."""
+    kernels (Q4_K, Q6_K, Q8_0 with VNNI), each row's bits are those it has alone."""
     rows, columns = 70, 512
     blocks = torch.from_numpy(random_blocks(kind, rows, columns, seed=2))
     weight = dequantized(blocks.numpy(), kind, columns).to(dtype)
@@ -124,7 +126,7 @@ def test_a_few_rows_over_blocks_do_not_depend_on_the_row_count(kind, dtype):
     for m in (1, 2, 4, 5, 9, FEW_ROWS):
         y = torch.ops.braid.ggml_linear(x[-m:], blocks, int(kind), FEW_ROWS)
         assert torch.equal(y, every_row[-m:]), m
-        if int(kind) not in int8_dot_types():
+        if int(kind) not in int8_input_blocks():
             assert torch.equal(y, torch.ops.braid.few_rows_linear(x[-m:], weight)), m
 
 

@@ -1,10 +1,10 @@
-// GEMMs of a few rows (decode, small batches, speculative verification) over Q4_K and Q6_K
-// blocks through int8 dot products (AVX512-VNNI), as llama.cpp computes its K-quants: each input
-// row is quantized to int8 per 256 elements (one scale a block, like its Q8_K), and a weight
-// row's quants meet the input's in `vpdpbusd` (64 unsigned quants times 64 signed inputs a
-// vector) without becoming floats; the block's scales apply to the integer sums, its fp16 factors
-// once per block. Decoding floats for `vdpbf16ps` (ggml_blocks.cpp) spends about twice the
-// instructions a weight, and was bound by them, not by memory.
+// GEMMs of a few rows (decode, small batches, speculative verification) over Q4_K, Q6_K and
+// Q8_0 blocks through int8 dot products (AVX512-VNNI), as llama.cpp computes them: each input
+// row is rounded to int8 per 256 elements for the K-quants (like its Q8_K) and per 32 for Q8_0
+// (its Q8_0), and a weight row's quants meet the input's in `vpdpbusd` (64 unsigned quants times
+// 64 signed inputs a vector) without becoming floats; sub-block scales apply to the integer
+// sums, the fp16 factors once per block. Decoding floats for `vdpbf16ps` (ggml_blocks.cpp)
+// spends two to three times the instructions a weight, and was bound by them, not by memory.
 //
 // A row's result depends on that row alone, summed in one order whatever the row count, so
 // decode is row-count invariant; it differs from the product over the dequantized weight by the
@@ -24,19 +24,32 @@ namespace braid_ggml {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 namespace {
 
-constexpr int64_t BLOCK = 256;  // elements of a K-quant super-block and of an input block
+constexpr int64_t BLOCK = 256;  // elements of a K-quant super-block and of its input block
+constexpr int64_t PAIR = 64;    // elements of two Q8_0 blocks, one vector of quants
 constexpr int MAX_GROUP = 4;    // input rows sharing each weight row's decoded quants
 
-// Input rows quantized per BLOCK elements: row m's block b is scale[m, b] * q[m, b, :], with q
-// in the order in which the weight format's vectors meet it, and the integer sums of q that
-// the format's offsets need.
+// Input rows rounded to int8, per block of `block` inputs: q[m, k] * scale[m, k / block] stands
+// for x[m, k]. q is in the order in which the weight format's vectors meet it; `lanes` holds,
+// for each `span` inputs, 16 integer sums of q that the format's offsets need, and `lane_scales`
+// (Q8_0) each block's scale in the 8 lanes of its products.
 struct QuantizedInput {
-  int64_t blocks;               // per row
-  std::vector<int8_t> q;        // [M, K]
-  std::vector<float> scale;     // [M, blocks]
-  std::vector<int32_t> sums;    // [M, blocks, 16]
-  const int8_t* quants(int64_t m, int64_t b) const { return q.data() + (m * blocks + b) * BLOCK; }
-  const int32_t* sums_of(int64_t m, int64_t b) const { return sums.data() + (m * blocks + b) * 16; }
+  int64_t K, block, span;
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> lanes;
+  std::vector<float> lane_scales;
+
+  QuantizedInput(int64_t M, int64_t K, int64_t block, int64_t span)
+      : K(K), block(block), span(span), q(M * K), scale(M * K / block),
+        lanes(M * K / span * 16, 0) {}
+  const int8_t* quants(int64_t m, int64_t k) const { return q.data() + m * K + k; }
+  float scale_of(int64_t m, int64_t k) const { return scale[(m * K + k) / block]; }
+  const int32_t* lanes_of(int64_t m, int64_t k) const {
+    return lanes.data() + (m * K + k) / span * 16;
+  }
+  const float* lane_scales_of(int64_t m, int64_t k) const {
+    return lane_scales.data() + (m * K + k) / span * 16;
+  }
 };
 
 inline __m512 load_floats(const float* p) { return _mm512_loadu_ps(p); }
@@ -45,44 +58,76 @@ inline __m512 load_floats(const at::BFloat16* p) {  // a bf16 is the top half of
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// n inputs (a multiple of 16, at most 256) rounded to the nearest even multiple of their
+// largest |x| / 127, handed 16 at a time to `emit(i, rounded)` (inputs [16 i, 16 i + 16) as
+// int32 lanes); the scale. NaN or inf among them: NaN, and nothing emitted (the block's quants
+// stay 0, its products NaN rather than finite).
+template <typename T, typename Emit>
+float round_block(const T* src, int n, Emit emit) {
+  __m512 values[16];
+  __m512 largest = _mm512_setzero_ps();
+  for (int i = 0; i < n / 16; ++i) {
+    values[i] = load_floats(src + 16 * i);
+    largest = _mm512_max_ps(largest, _mm512_abs_ps(values[i]));
+  }
+  const float amax = _mm512_reduce_max_ps(largest);
+  if (!std::isfinite(amax)) return std::numeric_limits<float>::quiet_NaN();
+  const __m512 inverse = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  for (int i = 0; i < n / 16; ++i) emit(i, _mm512_cvtps_epi32(_mm512_mul_ps(values[i], inverse)));
+  return amax / 127.f;
+}
+
+inline void store_bytes(int8_t* p, __m512i lanes) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(lanes));
+}
+
 // Where the 32 inputs of Q4_K's sub-block j sit in a block: a vector of 64 quant bytes holds
 // sub-blocks j (low nibbles) and j + 1 (high) for even j, and its two halves serve sub-blocks
 // 4h + {0, 2} and 4h + {1, 3}, so the inputs go in the order 0 2 1 3 4 6 5 7.
 inline int64_t q4_k_offset(int j) { return 128 * (j / 4) + 32 * ((j % 2) * 2 + (j % 4) / 2); }
 
-// Rows of x [M, K] quantized for `type`: Q4_K wants the sub-block order above and sums per 32
-// in lanes 8-15 (beside its minimums); Q6_K the natural order and sums per 16.
+// Rows of x [M, K] rounded for a K-quant per 256 inputs: Q4_K wants the sub-block order above
+// and the sums per 32 in lanes 8-15 (beside its minimums); Q6_K the natural order and the sums
+// per 16.
 template <typename T>
-QuantizedInput quantize_input(const T* x, int64_t M, int64_t K, int64_t type) {
-  QuantizedInput in{K / BLOCK, std::vector<int8_t>(M * K), std::vector<float>(M * (K / BLOCK)),
-                    std::vector<int32_t>(M * (K / BLOCK) * 16, 0)};
+QuantizedInput k_quant_input(const T* x, int64_t M, int64_t K, int64_t type) {
+  QuantizedInput in(M, K, BLOCK, BLOCK);
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < in.blocks; ++b) {
-      const T* src = x + m * K + b * BLOCK;
-      __m512 values[16];
-      __m512 largest = _mm512_setzero_ps();
-      for (int i = 0; i < 16; ++i) {
-        values[i] = load_floats(src + 16 * i);
-        largest = _mm512_max_ps(largest, _mm512_abs_ps(values[i]));
-      }
-      const float amax = _mm512_reduce_max_ps(largest);
-      float& scale = in.scale[m * in.blocks + b];
-      int8_t* q = in.q.data() + (m * in.blocks + b) * BLOCK;
-      int32_t* sums = in.sums.data() + (m * in.blocks + b) * 16;
-      if (!std::isfinite(amax)) {  // NaN or inf: the block's products become NaN, not finite
-        scale = std::numeric_limits<float>::quiet_NaN();
-        continue;  // (quants stay zero)
-      }
-      scale = amax / 127.f;
-      const __m512 inverse = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-      for (int i = 0; i < 16; ++i) {  // 16 inputs at a time, rounded to nearest even
-        const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(values[i], inverse));
-        const int64_t at = type == Q4_K ? q4_k_offset(i / 2) + 16 * (i % 2) : 16 * i;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at), _mm512_cvtsepi32_epi8(rounded));
-        const int32_t sum = _mm512_reduce_add_epi32(rounded);
-        if (type == Q4_K) sums[8 + i / 2] += sum;
-        else sums[i] = sum;
-      }
+    for (int64_t k = 0; k < K; k += BLOCK) {
+      int8_t* q = in.q.data() + m * K + k;
+      int32_t* sums = in.lanes.data() + (m * K + k) / BLOCK * 16;
+      in.scale[(m * K + k) / BLOCK] = round_block(x + m * K + k, BLOCK, [&](int i, __m512i r) {
+        const int32_t sum = _mm512_reduce_add_epi32(r);
+        if (type == Q4_K) {
+          store_bytes(q + q4_k_offset(i / 2) + 16 * (i % 2), r);
+          sums[8 + i / 2] += sum;
+        } else {
+          store_bytes(q + 16 * i, r);
+          sums[i] = sum;
+        }
+      });
+    }
+  }
+  return in;
+}
+
+// Rows of x [M, K] rounded for Q8_0 per 32 inputs (as llama.cpp rounds them for Q8_0
+// weights). Each vector of products covers two blocks, 8 lanes each: the first lane of each
+// gets -128 times its inputs' sum (the quants enter the products offset by 128, unsigned) and
+// the 8 lanes the block's scale.
+template <typename T>
+QuantizedInput q8_0_input(const T* x, int64_t M, int64_t K) {
+  QuantizedInput in(M, K, 32, PAIR);
+  in.lane_scales.resize(in.lanes.size());
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; k += 32) {
+      const int64_t lane = (m * K + k) / PAIR * 16 + 8 * (k % PAIR / 32);
+      const float scale = round_block(x + m * K + k, 32, [&](int i, __m512i r) {
+        store_bytes(in.q.data() + m * K + k + 16 * i, r);
+        in.lanes[lane] -= 128 * _mm512_reduce_add_epi32(r);
+      });
+      in.scale[(m * K + k) / 32] = scale;
+      std::fill_n(in.lane_scales.begin() + lane, 8, scale);
     }
   }
   return in;
@@ -131,14 +176,15 @@ void q4_k_row(const uint8_t* row, int64_t blocks, const QuantizedInput& in, int6
     __m512i lane_scales[4];
     for (int k = 0; k < 4; ++k) lane_scales[k] = _mm512_permutexvar_epi32(pick[k], scales);
     for (int m = 0; m < MR; ++m) {
-      const int8_t* q = in.quants(m0 + m, b);
+      const int8_t* q = in.quants(m0 + m, b * BLOCK);
       __m512i sum = scaled_dot(quants[0], q, lane_scales[0]);
       for (int k = 1; k < 4; ++k)
         sum = _mm512_add_epi32(sum, scaled_dot(quants[k], q + 64 * k, lane_scales[k]));
-      const float scale = in.scale[(m0 + m) * in.blocks + b];
+      const float scale = in.scale_of(m0 + m, b * BLOCK);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * scale), acc[m]);
       // sum_j min_j * (sum of sub-block j's inputs), in lanes 8-15 (the sums' lanes 0-7 are 0)
-      const __m512i offsets = _mm512_mullo_epi32(scales, _mm512_loadu_si512(in.sums_of(m0 + m, b)));
+      const __m512i offsets = _mm512_mullo_epi32(
+          scales, _mm512_loadu_si512(in.lanes_of(m0 + m, b * BLOCK)));
       minimums[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(offsets), _mm512_set1_ps(dmin * scale),
                                     minimums[m]);
     }
@@ -181,32 +227,65 @@ void q6_k_row(const uint8_t* row, int64_t blocks, const QuantizedInput& in, int6
     __m512i lane_scales[4];
     for (int k = 0; k < 4; ++k) lane_scales[k] = _mm512_permutexvar_epi32(pick[k], scales);
     for (int m = 0; m < MR; ++m) {
-      const int8_t* q = in.quants(m0 + m, b);
+      const int8_t* q = in.quants(m0 + m, b * BLOCK);
       __m512i sum = scaled_dot(quants[0], q, lane_scales[0]);
       for (int k = 1; k < 4; ++k)
         sum = _mm512_add_epi32(sum, scaled_dot(quants[k], q + 64 * k, lane_scales[k]));
       // minus 32 * sum_i scale_i * (sum of sub-block i's inputs)
-      const __m512i offsets = _mm512_mullo_epi32(scales, _mm512_loadu_si512(in.sums_of(m0 + m, b)));
+      const __m512i offsets = _mm512_mullo_epi32(
+          scales, _mm512_loadu_si512(in.lanes_of(m0 + m, b * BLOCK)));
       sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(offsets, 5));
-      const float scale = in.scale[(m0 + m) * in.blocks + b];
+      const float scale = in.scale_of(m0 + m, b * BLOCK);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * scale), acc[m]);
     }
   }
   for (int m = 0; m < MR; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
+// Q8_0 block: d q for 32 signed quants. `vpdpbusd` wants one operand unsigned: the quants
+// enter as q + 128 (their top bit flipped) and each block's sums start from -128 times its
+// inputs' sum (QuantizedInput's lanes), so the integer sums are exactly sum q x.
 template <int MR>
-void row_times_inputs(int64_t type, const uint8_t* row, int64_t blocks,
-                      const QuantizedInput& in, int64_t m0, float out[MR]) {
-  if (type == Q4_K) return q4_k_row<MR>(row, blocks, in, m0, out);
-  return q6_k_row<MR>(row, blocks, in, m0, out);
+void q8_0_row(const uint8_t* row, int64_t K, const QuantizedInput& in, int64_t m0,
+              float out[MR]) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += PAIR) {
+    const uint8_t* first = row + k / 32 * 34;
+    const uint8_t* second = first + 34;
+    const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(half_at(first)),
+                                        _mm256_set1_ps(half_at(second)), 1);
+    const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + 2));
+    const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + 2));
+    const __m512i quants = _mm512_xor_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1), flip);
+    for (int m = 0; m < MR; ++m) {
+      const __m512i sum = _mm512_dpbusd_epi32(_mm512_loadu_si512(in.lanes_of(m0 + m, k)), quants,
+                                              _mm512_loadu_si512(in.quants(m0 + m, k)));
+      const __m512 scales = _mm512_mul_ps(d, _mm512_loadu_ps(in.lane_scales_of(m0 + m, k)));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scales, acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+template <int MR>
+void row_times_inputs(int64_t type, const uint8_t* row, int64_t K, const QuantizedInput& in,
+                      int64_t m0, float out[MR]) {
+  switch (type) {
+    case Q4_K: return q4_k_row<MR>(row, K / BLOCK, in, m0, out);
+    case Q6_K: return q6_k_row<MR>(row, K / BLOCK, in, m0, out);
+    default: return q8_0_row<MR>(row, K, in, m0, out);
+  }
 }
 
 template <typename T>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
   const int64_t M = x.size(0), N = blocks.size(0), K = x.size(1), row_bytes = blocks.size(1);
   const at::Tensor xc = x.contiguous();
-  const QuantizedInput in = quantize_input(xc.data_ptr<T>(), M, K, type);
+  const T* xp = xc.data_ptr<T>();
+  const QuantizedInput in = type == Q8_0 ? q8_0_input(xp, M, K) : k_quant_input(xp, M, K, type);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   T* yp = y.data_ptr<T>();
@@ -217,10 +296,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
         float out[MAX_GROUP];
         const int64_t group = std::min<int64_t>(M - m, MAX_GROUP);
         switch (group) {
-          case 1: row_times_inputs<1>(type, row, in.blocks, in, m, out); break;
-          case 2: row_times_inputs<2>(type, row, in.blocks, in, m, out); break;
-          case 3: row_times_inputs<3>(type, row, in.blocks, in, m, out); break;
-          default: row_times_inputs<4>(type, row, in.blocks, in, m, out); break;
+          case 1: row_times_inputs<1>(type, row, K, in, m, out); break;
+          case 2: row_times_inputs<2>(type, row, K, in, m, out); break;
+          case 3: row_times_inputs<3>(type, row, K, in, m, out); break;
+          default: row_times_inputs<4>(type, row, K, in, m, out); break;
         }
         for (int64_t i = 0; i < group; ++i) yp[(m + i) * N + n] = T(out[i]);
       }
@@ -235,7 +314,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
 bool int8_dot_serves(int64_t type, const at::Tensor& x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   const bool dtype = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
-  return (type == Q4_K || type == Q6_K) && dtype && x.size(1) % BLOCK == 0;
+  const int64_t K = x.size(1);
+  return dtype && (((type == Q4_K || type == Q6_K) && K % BLOCK == 0) ||
+                   (type == Q8_0 && K % PAIR == 0));
 #else
   return false;
 #endif

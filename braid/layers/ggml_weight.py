@@ -37,16 +37,17 @@ FEW_ROWS = 32
 TRIM_EVERY = 16
 
 
-def int8_dot_types() -> frozenset[int]:
-    """The GGML types whose GEMMs of up to FEW_ROWS rows quantize the input rows to int8 and
+def int8_input_blocks() -> dict[int, int]:
+    """The GGML types whose GEMMs of up to FEW_ROWS rows round the input rows to int8 and
     multiply them with the blocks' quants in integers (`csrc/ggml_int8.cpp`, AVX512-VNNI), as
-    llama.cpp does: Q4_K and Q6_K. Other types, and CPUs without VNNI, multiply the decoded
-    weights with the inputs as they are."""
+    llama.cpp does, each with the inputs that share one int8 scale: Q4_K and Q6_K 256, Q8_0 32.
+    Other types, and CPUs without VNNI, multiply the decoded weights with the inputs as they
+    are."""
     from gguf import GGMLQuantizationType as Q
 
     if {"avx512_vnni", "avx512bw"} <= set(cpu_flags()):
-        return frozenset({int(Q.Q4_K), int(Q.Q6_K)})
-    return frozenset()
+        return {int(Q.Q4_K): 256, int(Q.Q6_K): 256, int(Q.Q8_0): 32}
+    return {}
 
 
 @dataclass
