@@ -313,7 +313,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
 
 bool int8_dot_serves(int64_t type, const at::Tensor& x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  const bool dtype = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+  // bf16 runs only: an fp32 run asks for products as exact as fp32's, not for llama.cpp's
+  const bool dtype = x.scalar_type() == at::kBFloat16;
   const int64_t K = x.size(1);
   return dtype && (((type == Q4_K || type == Q6_K) && K % BLOCK == 0) ||
                    (type == Q8_0 && K % PAIR == 0));
@@ -326,8 +327,7 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_
   TORCH_CHECK(int8_dot_serves(type, x), "int8_dot_linear: no int8 kernel for GGML type ", type,
               " and ", x.scalar_type(), " inputs of ", x.size(1), " columns on this CPU");
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (x.scalar_type() == at::kBFloat16) return linear<at::BFloat16>(x, blocks, type);
-  return linear<float>(x, blocks, type);
+  return linear<at::BFloat16>(x, blocks, type);
 #else
   return at::Tensor();  // (not reached: nothing is served without VNNI)
 #endif

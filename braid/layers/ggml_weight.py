@@ -38,11 +38,11 @@ TRIM_EVERY = 16
 
 
 def int8_input_blocks() -> dict[int, int]:
-    """The GGML types whose GEMMs of up to FEW_ROWS rows round the input rows to int8 and
+    """The GGML types whose GEMMs of up to FEW_ROWS bf16 rows round the input rows to int8 and
     multiply them with the blocks' quants in integers (`csrc/ggml_int8.cpp`, AVX512-VNNI), as
     llama.cpp does, each with the inputs that share one int8 scale: Q4_K and Q6_K 256, Q8_0 32.
-    Other types, and CPUs without VNNI, multiply the decoded weights with the inputs as they
-    are."""
+    Other types, fp32 inputs (a run that asks for fp32's precision) and CPUs without VNNI
+    multiply the decoded weights with the inputs as they are."""
     from gguf import GGMLQuantizationType as Q
 
     if {"avx512_vnni", "avx512bw"} <= set(cpu_flags()):
