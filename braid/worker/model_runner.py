@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -166,6 +167,8 @@ class ModelRunner:
             for cache in attn.cache_tensors():
                 cache[0].zero_()
         self.decode_graph, self.pieces = decode, pieces
+        gc.collect()  # compiling's garbage (graphs, traces) out of the heap for as long as we run
+        release_free_memory()
         return (f"compiled steps ready in {elapsed(start)}: decode graphs {loaded} loaded, "
                 f"{compiled} compiled ({decode_s:.0f} s); {pieces.kinds} kinds of pieces")
 
