@@ -470,7 +470,8 @@ at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
   TORCH_CHECK(x.dim() == 2, "ggml_linear: an input [M, K], got ", x.sizes());
   check_blocks("ggml_linear", blocks, type, x.size(1));
   const int64_t M = x.size(0), N = blocks.size(0), K = x.size(1);
-  if (M <= few_rows && int8_dot_serves(type, x)) return int8_dot_linear(x, blocks, type);
+  if (M <= std::min(few_rows, int8_dot_rows(type, x.scalar_type(), K)))
+    return int8_dot_linear(x, blocks, type);
 #if defined(__AVX512F__)
   if (M <= few_rows && few_rows_serve(x)) {
     if (x.scalar_type() == at::kFloat) return few_rows_over<Fp32Dot>(x, blocks, type);

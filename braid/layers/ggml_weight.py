@@ -28,7 +28,7 @@ from torch import nn
 from braid import native
 from braid.config import EngineConfig
 from braid.layers import decode_kernel
-from braid.platform import cpu_flags, release_free_memory
+from braid.platform import release_free_memory
 
 # GEMMs of at most this many rows run the few-row kernel over decoded tiles; larger ones
 # decode chunks of rows for ATen's GEMM (docs/kernel-choices.md, "GGUF blocks")
@@ -37,17 +37,13 @@ FEW_ROWS = 32
 TRIM_EVERY = 16
 
 
-def int8_input_blocks() -> dict[int, int]:
-    """The GGML types whose GEMMs of up to FEW_ROWS bf16 rows round the input rows to int8 and
-    multiply them with the blocks' quants in integers (`csrc/ggml_int8.cpp`, AVX512-VNNI), as
-    llama.cpp does, each with the inputs that share one int8 scale: Q4_K and Q6_K 256, Q8_0 32.
-    Other types, fp32 inputs (a run that asks for fp32's precision) and CPUs without VNNI
-    multiply the decoded weights with the inputs as they are."""
-    from gguf import GGMLQuantizationType as Q
-
-    if {"avx512_vnni", "avx512bw"} <= set(cpu_flags()):
-        return {int(Q.Q4_K): 256, int(Q.Q6_K): 256, int(Q.Q8_0): 32}
-    return {}
+def int8_input_rows(kind: int, dtype: torch.dtype, columns: int) -> int:
+    """The most input rows whose GEMMs over blocks of GGML type `kind` round the inputs to int8
+    and multiply them with the blocks' quants in integers (`csrc/ggml_int8.cpp`, AVX512-VNNI),
+    as llama.cpp does: Q4_K up to 4 rows, Q6_K 8, Q8_0 2, in bf16 (an fp32 run asks for fp32's
+    products); 0 for other types and CPUs. More rows (up to FEW_ROWS) multiply the decoded
+    weights, whose tiles serve several rows better."""
+    return torch.ops.braid.ggml_int8_rows(kind, dtype, columns)
 
 
 @dataclass
