@@ -146,6 +146,15 @@ inline __m512i scaled_dot(__m512i weights, const int8_t* inputs, __m512i scales)
   return _mm512_mullo_epi32(dot, scales);
 }
 
+// A K-quant block's four vectors of quants against its 256 inputs, each lane scaled
+inline __m512i block_sum(const __m512i quants[4], const __m512i lane_scales[4],
+                         const int8_t* inputs) {
+  __m512i sum = scaled_dot(quants[0], inputs, lane_scales[0]);
+  for (int k = 1; k < 4; ++k)
+    sum = _mm512_add_epi32(sum, scaled_dot(quants[k], inputs + 64 * k, lane_scales[k]));
+  return sum;
+}
+
 // Lane l of index vector k picks sub-block `first(k) + l / per` of a block's scales.
 inline __m512i lanes_index(int first, int per) {
   alignas(64) int32_t index[16];
@@ -180,10 +189,7 @@ void q4_k_row(const uint8_t* row, int64_t blocks, const QuantizedInput::Row* in,
     __m512i lane_scales[4];
     for (int k = 0; k < 4; ++k) lane_scales[k] = _mm512_permutexvar_epi32(pick[k], scales);
     for (int m = 0; m < MR; ++m) {
-      const int8_t* q = in[m].q + b * BLOCK;
-      __m512i sum = scaled_dot(quants[0], q, lane_scales[0]);
-      for (int k = 1; k < 4; ++k)
-        sum = _mm512_add_epi32(sum, scaled_dot(quants[k], q + 64 * k, lane_scales[k]));
+      __m512i sum = block_sum(quants, lane_scales, in[m].q + b * BLOCK);
       const float scale = in[m].scale[b];
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * scale), acc[m]);
       // sum_j min_j * (sum of sub-block j's inputs), in lanes 8-15 (the sums' lanes 0-7 are 0)
@@ -230,10 +236,7 @@ void q6_k_row(const uint8_t* row, int64_t blocks, const QuantizedInput::Row* in,
     __m512i lane_scales[4];
     for (int k = 0; k < 4; ++k) lane_scales[k] = _mm512_permutexvar_epi32(pick[k], scales);
     for (int m = 0; m < MR; ++m) {
-      const int8_t* q = in[m].q + b * BLOCK;
-      __m512i sum = scaled_dot(quants[0], q, lane_scales[0]);
-      for (int k = 1; k < 4; ++k)
-        sum = _mm512_add_epi32(sum, scaled_dot(quants[k], q + 64 * k, lane_scales[k]));
+      __m512i sum = block_sum(quants, lane_scales, in[m].q + b * BLOCK);
       // minus 32 * sum_i scale_i * (sum of sub-block i's inputs)
       const __m512i offsets = _mm512_mullo_epi32(
           scales, _mm512_loadu_si512(in[m].lanes + 16 * b));
