@@ -23,7 +23,7 @@ from test_hf_parity import check_logits
 from braid import LLM, SamplingParams, native
 from braid.distributed.comm import SkipCommunicator
 from braid.layers import decode_kernel
-from braid.layers.ggml_weight import FEW_ROWS, int8_input_rows, keep_blocks
+from braid.layers.ggml_weight import FEW_ROWS, keep_blocks, rounds_inputs
 from braid.layers.linear import QKVParallelLinear, RowParallelLinear
 from braid.layers.partition import partition_heads
 from braid.loader.weights import LazyWeight
@@ -76,13 +76,13 @@ def int8_input_product(x: torch.Tensor, weight: torch.Tensor, block: int) -> tor
 INPUT_BLOCK = {Q.Q4_K: 256, Q.Q6_K: 256, Q.Q8_0: 32}
 
 
-def rounds_inputs(kind: Q, x: torch.Tensor) -> bool:
-    return x.shape[0] <= int8_input_rows(int(kind), x.dtype, x.shape[1])
+def int8_inputs(kind: Q, x: torch.Tensor) -> bool:
+    return x.shape[0] <= FEW_ROWS and rounds_inputs(int(kind), x.dtype, x.shape[1])
 
 
 def reference_product(x: torch.Tensor, weight: torch.Tensor, kind: Q) -> torch.Tensor:
     """What `ggml_linear` computes over blocks of `kind` dequantizing to `weight`, in float64."""
-    if rounds_inputs(kind, x):
+    if int8_inputs(kind, x):
         return int8_input_product(x, weight, INPUT_BLOCK[kind])
     return x.double() @ weight.double().T
 
@@ -106,7 +106,7 @@ def test_a_product_over_blocks_is_the_product_with_the_dequantized_weight(kind, 
         # outputs rounded to 8 bits
         bound = (1e-5 if dtype == torch.float32 else 2 ** -8) * (x.double().abs() @ weight.abs().T)
         assert ((y.double() - expected).abs() <= bound).all(), m
-        if rounds_inputs(kind, x):  # and from the exact product, half an int8 step at most
+        if int8_inputs(kind, x):  # and from the exact product, half an int8 step at most
             block = INPUT_BLOCK[kind]
             steps = x.double().view(m, -1, block).abs().amax(-1) / 127
             rounding = (steps / 2).repeat_interleave(block, dim=1) @ weight.abs().T
@@ -119,18 +119,18 @@ def test_a_product_over_blocks_is_the_product_with_the_dequantized_weight(kind, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_K], ids=lambda k: k.name)
 def test_a_few_rows_over_blocks_do_not_depend_on_the_row_count(kind, dtype):
-    """Up to FEW_ROWS rows a row's bits do not depend on the rows beside it. The int8 kernels
-    (bf16 with VNNI: Q4_K up to 4 rows, Q6_K 8, Q8_0 2) give each row the bits it has alone;
-    the decoded paths (in registers up to four rows, in tiles beyond; Q5_K by the scalar
-    decoder) the few-row kernel's bits over the dequantized weight, so neither the step's row
-    count nor the file's format changes a sequence's tokens there."""
+    """Up to FEW_ROWS rows a row's bits do not depend on the rows beside it, so a step's row
+    count does not change a sequence's tokens. The int8 kernels (Q4_K, Q6_K, Q8_0 in bf16 with
+    VNNI) give each row the bits it has alone; the decoded paths (in registers up to four rows,
+    in tiles beyond; Q5_K by the scalar decoder) the few-row kernel's bits over the dequantized
+    weight, so the file's format does not change tokens either."""
     rows, columns = 70, 512
     blocks = torch.from_numpy(random_blocks(kind, rows, columns, seed=2))
     weight = dequantized(blocks.numpy(), kind, columns).to(dtype)
     x = torch.randn(FEW_ROWS, columns, generator=torch.Generator().manual_seed(0)).to(dtype)
     for m in (1, 2, 3, 4, 5, 8, 9, FEW_ROWS):
         y = torch.ops.braid.ggml_linear(x[-m:], blocks, int(kind), FEW_ROWS)
-        if rounds_inputs(kind, x[-m:]):
+        if int8_inputs(kind, x[-m:]):
             alone = [torch.ops.braid.ggml_linear(x[i:i + 1], blocks, int(kind), FEW_ROWS)
                      for i in range(FEW_ROWS - m, FEW_ROWS)]
             assert torch.equal(y, torch.cat(alone)), m
@@ -216,7 +216,7 @@ def test_the_blocks_generate_what_transformers_does_from_the_dequantized_weights
 LOGIT_MARGIN = 0.5
 
 
-@pytest.mark.skipif(not int8_input_rows(int(Q.Q8_0), torch.bfloat16, 576)
+@pytest.mark.skipif(not rounds_inputs(int(Q.Q8_0), torch.bfloat16, 576)
                     or not decode_kernel.few_rows_serve(torch.bfloat16),
                     reason="the int8 kernels need AVX512-VNNI and the few-row one AVX512-BF16")
 @pytest.mark.parametrize("tp,overlap", [(2, "on"), slow(1, "off"), slow(3, "on")])

@@ -9,7 +9,8 @@
 // weight rows at a time goes to a buffer that stays in L1/L2 for the few-row micro-kernel
 // (few_rows.h); either way memory carries the blocks' bytes only (Q4: a quarter of bf16's).
 // Larger GEMMs (prefill) decode a chunk of rows at a time and hand it to ATen's GEMM, whose
-// cost grows with the rows while the decoding's does not.
+// cost grows with the rows while the decoding's does not. In bf16, Q4_K, Q6_K and Q8_0 at up
+// to `few_rows` rows go to ggml_int8.cpp's integer arithmetic instead (llama.cpp's).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -470,7 +471,7 @@ at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
   TORCH_CHECK(x.dim() == 2, "ggml_linear: an input [M, K], got ", x.sizes());
   check_blocks("ggml_linear", blocks, type, x.size(1));
   const int64_t M = x.size(0), N = blocks.size(0), K = x.size(1);
-  if (M <= std::min(few_rows, int8_dot_rows(type, x.scalar_type(), K)))
+  if (M <= few_rows && int8_dot_serves(type, x.scalar_type(), K))
     return int8_dot_linear(x, blocks, type);
 #if defined(__AVX512F__)
   if (M <= few_rows && few_rows_serve(x)) {

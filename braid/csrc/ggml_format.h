@@ -54,11 +54,11 @@ inline void unpack_scales_k4(const uint8_t* packed, uint8_t out[16]) {
   std::memcpy(out, unpacked, sizeof unpacked);
 }
 
-// The most input rows for which ggml_int8.cpp computes GEMMs over blocks of `type` with
-// `dtype` inputs of K columns on this CPU (0: none).
-int64_t int8_dot_rows(int64_t type, at::ScalarType dtype, int64_t K);
+// Whether ggml_int8.cpp computes the few-row GEMMs over blocks of `type` with `dtype` inputs
+// of K columns on this CPU.
+bool int8_dot_serves(int64_t type, at::ScalarType dtype, int64_t K);
 // x [M, K] @ W^T over W's blocks of `type`, with x rounded to int8 per block of inputs (as
-// llama.cpp computes); M within `int8_dot_rows`.
+// llama.cpp computes); `int8_dot_serves` must hold.
 at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type);
 
 }  // namespace braid_ggml

@@ -7,8 +7,9 @@
 // spends two to three times the instructions a weight, and was bound by them, not by memory.
 //
 // A row's result depends on that row alone, summed in one order whatever the row count, so
-// decode is row-count invariant; it differs from the product over the dequantized weight by the
-// input's rounding to int8 (a relative error of about 1/254 of each block's largest input).
+// decode is row-count invariant up to the few-row GEMMs' 32 rows (a request's tokens do not
+// depend on its batch); it differs from the product over the dequantized weight by the input's
+// rounding to int8 (at most half a step of 1/127 of each block's largest input).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -57,7 +58,6 @@ struct QuantizedInput {
   }
 };
 
-inline __m512 load_floats(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_floats(const at::BFloat16* p) {  // a bf16 is the top half of an fp32
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
@@ -323,26 +323,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
 }  // namespace
 #endif
 
-int64_t int8_dot_rows(int64_t type, at::ScalarType dtype, int64_t K) {
+bool int8_dot_serves(int64_t type, at::ScalarType dtype, int64_t K) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  // bf16 runs only: an fp32 run asks for products as exact as fp32's, not for llama.cpp's.
-  // Past these rows the decoded weights' tiles, whose `vdpbf16ps` serve four weight rows per
-  // input load, take fewer instructions a row than the integer sums and their scaling (one
-  // thread, 16384 x 2048: Q4_K at 4 rows 1.29 ms against 1.75, at 8 rows 2.74 against 2.48)
-  if (dtype != at::kBFloat16) return 0;
-  switch (type) {
-    case Q4_K: return K % BLOCK == 0 ? 4 : 0;
-    case Q6_K: return K % BLOCK == 0 ? 8 : 0;
-    case Q8_0: return K % PAIR == 0 ? 2 : 0;
-  }
+  // bf16 runs only: an fp32 run asks for products as exact as fp32's, not for llama.cpp's
+  if (dtype != at::kBFloat16) return false;
+  return ((type == Q4_K || type == Q6_K) && K % BLOCK == 0) || (type == Q8_0 && K % PAIR == 0);
+#else
+  return false;
 #endif
-  return 0;
 }
 
 at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
-  TORCH_CHECK(x.size(0) <= int8_dot_rows(type, x.scalar_type(), x.size(1)),
-              "int8_dot_linear: no int8 kernel for ", x.size(0), " rows over GGML type ", type,
-              " and ", x.scalar_type(), " inputs of ", x.size(1), " columns on this CPU");
+  TORCH_CHECK(int8_dot_serves(type, x.scalar_type(), x.size(1)),
+              "int8_dot_linear: no int8 kernel for GGML type ", type, " and ", x.scalar_type(),
+              " inputs of ", x.size(1), " columns on this CPU");
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return linear<at::BFloat16>(x, blocks, type);
 #else
@@ -353,6 +347,6 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_
 }  // namespace braid_ggml
 
 TORCH_LIBRARY_FRAGMENT(braid, m) {
-  m.def("ggml_int8_rows(int type, ScalarType dtype, int columns) -> int",
-        &braid_ggml::int8_dot_rows);
+  m.def("ggml_int8_serves(int type, ScalarType dtype, int columns) -> bool",
+        &braid_ggml::int8_dot_serves);
 }

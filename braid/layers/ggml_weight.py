@@ -7,7 +7,8 @@ the file's bytes. `torch.ops.braid.ggml_linear` decodes weight rows in registers
 input rows), in tiles (up to FEW_ROWS) or in chunks handed to ATen's GEMM (more); an embedding
 lookup decodes the rows it reads. Decoded values are those of the `gguf` package's
 `dequantize`, so results equal those over the dequantized weight in the same dtype (the same
-bits, up to FEW_ROWS rows).
+bits, up to FEW_ROWS rows), except where `rounds_inputs` rounds bf16 inputs to int8 as
+llama.cpp does (`csrc/ggml_int8.cpp`).
 
 Loading goes through the layers' usual weight loaders: where a checkpoint tensor has blocks
 (`LazyWeight.ggml_type`) and the layer computes from them, the loader files the rows under the
@@ -37,13 +38,12 @@ FEW_ROWS = 32
 TRIM_EVERY = 16
 
 
-def int8_input_rows(kind: int, dtype: torch.dtype, columns: int) -> int:
-    """The most input rows whose GEMMs over blocks of GGML type `kind` round the inputs to int8
-    and multiply them with the blocks' quants in integers (`csrc/ggml_int8.cpp`, AVX512-VNNI),
-    as llama.cpp does: Q4_K up to 4 rows, Q6_K 8, Q8_0 2, in bf16 (an fp32 run asks for fp32's
-    products); 0 for other types and CPUs. More rows (up to FEW_ROWS) multiply the decoded
-    weights, whose tiles serve several rows better."""
-    return torch.ops.braid.ggml_int8_rows(kind, dtype, columns)
+def rounds_inputs(kind: int, dtype: torch.dtype, columns: int) -> bool:
+    """Whether GEMMs of up to FEW_ROWS rows over blocks of GGML type `kind` round the inputs to
+    int8 and multiply them with the blocks' quants in integers (`csrc/ggml_int8.cpp`,
+    AVX512-VNNI), as llama.cpp does: Q4_K, Q6_K and Q8_0 in bf16 (an fp32 run asks for fp32's
+    products)."""
+    return torch.ops.braid.ggml_int8_serves(kind, dtype, columns)
 
 
 @dataclass
