@@ -3,7 +3,8 @@
 // up to MAX_GROUP input rows, each weight vector loaded once for all of them.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <immintrin.h>
 
 namespace braid_few_rows {

@@ -9,7 +9,8 @@
 // read from memory once whatever the row count, and from L1/L2 again for input rows past the
 // first four. An int8 chunk of 16 is widened to fp32 and multiplied with the input in fp32 (as
 // `aten._weight_int8pack_mm` computes it).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

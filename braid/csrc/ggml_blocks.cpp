@@ -11,7 +11,8 @@
 // Larger GEMMs (prefill) decode a chunk of rows at a time and hand it to ATen's GEMM, whose
 // cost grows with the rows while the decoding's does not. In bf16, Q4_K, Q6_K and Q8_0 at up
 // to `few_rows` rows go to ggml_int8.cpp's integer arithmetic instead (llama.cpp's).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

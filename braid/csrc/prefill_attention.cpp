@@ -10,7 +10,8 @@
 // group share every key block (M = group x query block), key blocks past the diagonal are
 // skipped, and the softmax's exponential is a short polynomial (its weights are rounded to
 // bf16 for the second GEMM anyway).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

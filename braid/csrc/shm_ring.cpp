@@ -19,7 +19,8 @@
 //
 // Header words are loaded with acquire and stored with release semantics (plain moves on x86).
 // A long wait releases Python's GIL, so the rank's other threads (its parent watch) run.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <Python.h>
 #include <sched.h>
