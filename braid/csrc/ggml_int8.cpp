@@ -48,13 +48,14 @@ struct QuantizedInput {
   // Row m's parts, for the kernels to index with constants (no division in their loops)
   struct Row {
     const int8_t* q;            // [K]
-    const float* scale;         // [K / block]
+    const float* scale;         // [K / block] (K-quants)
     const int32_t* lanes;       // [K / span, 16]
     const float* lane_scales;   // [K / span, 16] (Q8_0)
   };
   Row row(int64_t m) const {
     const int64_t spans = K / span * 16;
-    return {q.data() + m * K, scale.data() + m * K / block, lanes.data() + m * spans,
+    return {q.data() + m * K, scale.empty() ? nullptr : scale.data() + m * K / block,
+            lanes.data() + m * spans,
             lane_scales.empty() ? nullptr : lane_scales.data() + m * spans};
   }
 };
@@ -124,6 +125,7 @@ QuantizedInput k_quant_input(const T* x, int64_t M, int64_t K, int64_t type) {
 template <typename T>
 QuantizedInput q8_0_input(const T* x, int64_t M, int64_t K) {
   QuantizedInput in(M, K, 32, PAIR);
+  in.scale.clear();  // the kernel reads each block's scale from its lanes instead
   in.lane_scales.resize(in.lanes.size());
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < K; k += 32) {
@@ -132,7 +134,6 @@ QuantizedInput q8_0_input(const T* x, int64_t M, int64_t K) {
         store_bytes(in.q.data() + m * K + k + 16 * i, r);
         in.lanes[lane] -= 128 * _mm512_reduce_add_epi32(r);
       });
-      in.scale[(m * K + k) / 32] = scale;
       std::fill_n(in.lane_scales.begin() + lane, 8, scale);
     }
   }
