@@ -279,3 +279,11 @@ def test_control_tokens_that_are_not_ascii_keep_their_ids(tiny_models, tmp_path)
     assert tokenizer.decode([1, 2]) == "<｜User｜><｜Assistant｜>"
     # the BOS and EOS (ids 1 and 2 here) the conversion appended past the vocabulary are gone
     assert len(tokenizer) == len(converted) - 2 == tokenizer.vocab_size
+
+
+def test_the_embedded_tokenizer_splits_text_as_llama_cpp(tokenizer):
+    """The file's pre-tokenizer ("smollm") splits digits one by one before GPT-2's pieces:
+    the ids are llama.cpp's `llama-tokenize` on the same file (transformers' own conversion made
+    two newline tokens of the "\\n\\n" before the 3)."""
+    assert tokenizer("In 2024:\n\n3 apples, 12.5%\r\n")["input_ids"] == [
+        788, 216, 34, 32, 34, 36, 42, 1116, 35, 13855, 28, 216, 33, 34, 30, 37, 21, 2738]

@@ -89,6 +89,12 @@ def gguf_control_tokens(path: str) -> dict[int, tuple[str, bool]]:
     return kept
 
 
+def gguf_pre_tokenizer(path: str) -> str | None:
+    """The file's `tokenizer.ggml.pre`: llama.cpp's name for how text is split before BPE."""
+    field = _reader(path).fields.get(Keys.Tokenizer.PRE)
+    return None if field is None else bytes(field.parts[field.data[0]]).decode()
+
+
 def unpermute_rotary(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K permutation: per head, interleaved rotary halves back to two blocks."""
     half = rows.shape[0] // num_heads // 2

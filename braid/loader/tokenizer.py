@@ -12,6 +12,15 @@ from braid.errors import UserError
 from braid.loader.model_config import ModelConfig
 from braid.platform import release_free_memory
 
+# braid's corrections to transformers' GGUF tokenizer conversion; a change renames the cached
+# conversions so that none made before it is loaded.
+CONVERSION = "digits"
+# llama.cpp's pre-tokenizers (`tokenizer.ggml.pre`) that split digits one by one before GPT-2's
+# byte-level pattern (llama-vocab.cpp's STARCODER, REFACT, COMMAND_R, SMOLLM, CODESHELL, EXAONE,
+# MINERVA and MELLUM2 regexes)
+DIGIT_SPLITTING = frozenset({"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone",
+                             "minerva-7b", "mellum2"})
+
 
 def load_tokenizer(model: str, use_cache: bool = True):
     """A `transformers` tokenizer that tokenizes exactly as the model's own (`tokenizer(text)`).
@@ -31,9 +40,11 @@ def load_tokenizer(model: str, use_cache: bool = True):
         return tokenizer
 
     def convert():
-        from braid.loader.gguf import gguf_control_tokens  # not in rank processes: see test_launch
+        # not in rank processes: see test_launch
+        from braid.loader.gguf import gguf_control_tokens, gguf_pre_tokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        split_digits(tokenizer, gguf_pre_tokenizer(str(path)))
         return restore_control_tokens(tokenizer, gguf_control_tokens(str(path)))
 
     def build(folder: Path) -> None:
@@ -42,12 +53,28 @@ def load_tokenizer(model: str, use_cache: bool = True):
     def load(folder: Path):
         return AutoTokenizer.from_pretrained(str(folder))
 
-    # The conversion is transformers' code: a different version gets an entry of its own.
-    variant = f"transformers-{version('transformers')}"
+    # The conversion is transformers' code and braid's corrections to it: a different version
+    # of either gets an entry of its own.
+    variant = f"{CONVERSION}-transformers-{version('transformers')}"
     tokenizer = cached(path, "tokenizer", build, load, variant) if use_cache else None
     tokenizer = tokenizer or convert()
     release_free_memory()  # parsing's garbage: 35 MB of heap for Llama 3's vocabulary
     return tokenizer
+
+
+def split_digits(tokenizer, pre_tokenizer: str | None) -> None:
+    """Split every digit off before the byte-level pieces where the file's vocabulary was
+    learned that way (its `tokenizer.ggml.pre` is one of `DIGIT_SPLITTING`), as the original
+    tokenizer and llama.cpp do. transformers' conversion knows none of these names and keeps
+    GPT-2's pieces, which differ wherever a digit follows other characters: "\\n\\n3" became
+    two newline tokens and a digit instead of one double-newline token and a digit."""
+    if pre_tokenizer not in DIGIT_SPLITTING:
+        return
+    from tokenizers import pre_tokenizers
+
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
 
 
 def restore_control_tokens(tokenizer, control: dict[int, tuple[str, bool]]):
