@@ -104,6 +104,12 @@ def cmd_eval_mmlu(args: argparse.Namespace) -> None:
     run_eval_mmlu(from_arguments(MmluConfig, args), from_arguments(EngineConfig, args))
 
 
+def cmd_eval_perplexity(args: argparse.Namespace) -> None:
+    from braid.eval.perplexity import PerplexityConfig, run_eval_perplexity
+
+    run_eval_perplexity(from_arguments(PerplexityConfig, args), from_arguments(EngineConfig, args))
+
+
 def cmd_bench_one_batch(args: argparse.Namespace) -> None:
     from braid.bench.harness import OneBatch
     from braid.bench.one_batch import run_bench_one_batch
@@ -187,6 +193,13 @@ def _eval_mmlu_flags(mmlu: argparse.ArgumentParser) -> None:
     add_arguments(mmlu, MmluConfig)
 
 
+def _eval_perplexity_flags(perplexity: argparse.ArgumentParser) -> None:
+    from braid.eval.perplexity import PerplexityConfig
+
+    add_arguments(perplexity, EngineConfig)
+    add_arguments(perplexity, PerplexityConfig)
+
+
 def _bench_one_batch_flags(bench: argparse.ArgumentParser) -> None:
     from braid.bench.harness import OneBatch
 
@@ -247,6 +260,8 @@ COMMANDS = {
                       _bench_offline_flags, cmd_bench_offline),
     "plot": ("bar charts across the rows of result JSONL files", _plot_flags, cmd_plot),
     "eval-mmlu": ("MMLU accuracy (original 5-shot prompt)", _eval_mmlu_flags, cmd_eval_mmlu),
+    "eval-perplexity": ("a text's perplexity, scored as llama.cpp's llama-perplexity scores it",
+                        _eval_perplexity_flags, cmd_eval_perplexity),
     "bench-one-batch": ("latency of one static batch: prefill, then decode steps",
                         _bench_one_batch_flags, cmd_bench_one_batch),
     "bench-attention": ("each attention path at the engine's shapes, side by side",

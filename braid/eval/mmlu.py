@@ -28,6 +28,7 @@ import numpy as np
 from braid import settings
 from braid.config import EngineConfig
 from braid.errors import UserError
+from braid.eval.report import append_row, describe_run
 from braid.settings import setting
 
 LETTERS = "ABCD"
@@ -50,6 +51,15 @@ def list_subjects(data_dir: Path) -> list[str]:
     return sorted(dev & test)
 
 
+def data_subjects(root: Path) -> list[str]:
+    """`list_subjects`, or `UserError` where the folder holds no MMLU data."""
+    available = list_subjects(root) if root.is_dir() else []
+    if not available:
+        raise UserError(f"{root} has no MMLU data (expected dev/*_dev.csv and "
+                        "test/*_test.csv)")
+    return available
+
+
 def _rows(path: Path) -> list[list[str]]:
     with open(path, newline="") as f:
         return [row for row in csv.reader(f) if row]
@@ -67,15 +77,21 @@ def subject_header(subject: str) -> str:
             f"{''.join(' ' + word for word in subject.split('_'))}.\n\n")
 
 
+def dev_text(data_dir: str) -> str:
+    """Every subject's header and solved dev questions, in subject order: a fixed text of
+    about 25,000 tokens to score perplexity on."""
+    root = Path(data_dir)
+    return "".join(subject_header(subject) + "".join(
+        format_example(row, True) for row in _rows(root / "dev" / f"{subject}_dev.csv"))
+        for subject in data_subjects(root))
+
+
 def load_questions(data_dir: str, subjects: str, num_shots: int,
                    limit: int | None) -> list[Question]:
     """The test questions of `subjects` ("all" or "a,b"), the first `limit` of each, with
     `num_shots`-shot prompts."""
     root = Path(data_dir)
-    available = list_subjects(root) if root.is_dir() else []
-    if not available:
-        raise UserError(f"{data_dir} has no MMLU data (expected dev/*_dev.csv and "
-                        "test/*_test.csv)")
+    available = data_subjects(root)
     chosen = available if subjects == "all" else [s.strip() for s in subjects.split(",")]
     unknown = sorted(set(chosen) - set(available))
     if unknown:
@@ -295,10 +311,7 @@ def run_eval_mmlu(config: MmluConfig, engine: EngineConfig) -> dict:
         result = score_openai(questions, config.base_url, config.served_model, config.tokenizer,
                               config.concurrency)
     report = result.report()
-    described = {"backend": backend, "model": engine.model, "dtype": engine.dtype}
-    if backend == "braid":
-        described.update(tp=engine.parallel.tp, comm=engine.parallel.comm,
-                         overlap=engine.switches.overlap, dp_linear=engine.switches.dp_linear)
+    described = describe_run(backend, engine)
     if backend == "openai":
         described.update(base_url=config.base_url)
     title = " ".join(f"{k}={v}" for k, v in described.items() if k != "model")
@@ -310,8 +323,7 @@ def run_eval_mmlu(config: MmluConfig, engine: EngineConfig) -> dict:
                         None if s is None else [round(x, 5) for x in s]]
                        for q, p, s in zip(questions, result.predictions(), result.scores)]}
     if output_file:
-        with open(output_file, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_row(output_file, row)
         rows = [json.loads(line) for line in Path(output_file).read_text().splitlines()
                 if line.strip()]
         rows = [r for r in rows if r.get("eval") == "mmlu"]
