@@ -186,3 +186,4 @@ class RankReady:
     weight_bytes: int = 0
     kv_cache_bytes: int = 0
     pid: int = 0
+    namespace: str = ""  # `platform.process_namespace`: where `pid` can be looked up

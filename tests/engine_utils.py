@@ -22,6 +22,7 @@ class RunnerExecutor:
 
     def __init__(self, runner) -> None:
         self.runner = runner
+        self.readies = [runner.ready()]
 
     def step(self, plan: StepPlan, fill_masks=None) -> StepResult:
         return self.runner.step(plan, fill_masks)
@@ -48,6 +49,7 @@ class FakeRunner:
         self.nan_tokens = nan_tokens
         self.plans: list[StepPlan] = []
         self.generator = torch.Generator().manual_seed(0)
+        self.readies: list = []  # a stand-in: no rank reports its memory
 
     def step(self, plan: StepPlan, fill_masks=None) -> StepResult:
         self.plans.append(plan)

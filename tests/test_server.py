@@ -252,7 +252,7 @@ def test_a_disconnect_frees_the_requests_blocks(server, model):
     assert metric(server, "braid:num_requests_running") == 0
 
 
-def test_models_health_tokenize_and_metrics(server, client, model):
+def test_models_health_tokenize_and_metrics(server, client, model, model_path):
     listed = client.models.list().data
     assert [m.id for m in listed] == [model] and model.startswith("SmolLM2")
     assert httpx.get(f"{server.base_url}/health").status_code == 200
@@ -273,6 +273,12 @@ def test_models_health_tokenize_and_metrics(server, client, model):
                  "braid:requests_rejected_total"):
         assert name in exposition, name
     assert metric(server, "braid:generation_tokens_total") > 0
+    held = {(rank, kind): metric(server, f'braid:rank_memory_bytes{{rank="{rank}",kind="{kind}"}}')
+            for rank in (0, 1) for kind in ("weights", "kv_cache", "resident")}
+    file_bytes = os.path.getsize(model_path)
+    assert 0.5 * file_bytes < held[0, "weights"] + held[1, "weights"] <= 1.05 * file_bytes
+    for rank in (0, 1):  # a rank's process holds its weights and its cache
+        assert held[rank, "resident"] > held[rank, "weights"] + held[rank, "kv_cache"] > 0
 
 
 SERVING_KEYS = {"backend", "completed", "total_input_tokens", "total_output_tokens",

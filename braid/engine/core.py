@@ -27,12 +27,13 @@ from braid.engine.plan import SequenceRows, build_plan
 from braid.engine.request import Request, SamplingParams, Sequence, check_request
 from braid.engine.scheduler import Scheduler
 from braid.engine.speculation import NgramProposer, Speculator
-from braid.engine.stats import EngineStats
+from braid.engine.stats import EngineStats, RankMemory
 from braid.engine.step_choice import StepChooser, describe, step_bucket, step_settings
 from braid.errors import UserError, request_failure
 from braid.loader.model_config import ModelConfig
 from braid.loader.tokenizer import eos_token_ids, load_tokenizer
 from braid.models.registry import model_class
+from braid.platform import process_namespace, resident_bytes
 from braid.step import SequenceDelta, StepMode, StepPlan, StepResult
 
 # `--compile auto` compiles for a job of at least this many tokens to generate (`generate`,
@@ -288,7 +289,15 @@ class EngineCore:
                            dict(self.steps_by_path), self.num_sequences_received,
                            s.num_draft_tokens, s.num_accepted_tokens,
                            self.chooser.choices(), self.chooser.probe_steps,
-                           replace(self.grammars.times))
+                           replace(self.grammars.times), self.rank_memory())
+
+    def rank_memory(self) -> list[RankMemory]:
+        """Each rank's weights and KV cache, as it reported them, and its process's resident
+        memory now (read where the rank's process is visible from here)."""
+        here = process_namespace()
+        return [RankMemory(r.weight_bytes, r.kv_cache_bytes,
+                           resident_bytes(r.pid) if r.pid and r.namespace == here else 0)
+                for r in self.executor.readies]
 
     def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """fp32 logits at every position of each prompt (one batched prefill, outside the

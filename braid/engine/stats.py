@@ -28,3 +28,14 @@ class EngineStats:
     step_choices: dict[str, str] = field(default_factory=dict)  # `auto`'s, by step bucket
     num_probe_steps: int = 0  # steps `auto` ran to measure a setting
     grammar: GrammarTimes = field(default_factory=GrammarTimes)
+    memory: list[RankMemory] = field(default_factory=list)  # per rank
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What a rank holds: its weights in every form, its KV cache, and its process's resident
+    memory (0 where the rank runs on another host and its process cannot be read)."""
+
+    weight_bytes: int
+    kv_cache_bytes: int
+    resident_bytes: int

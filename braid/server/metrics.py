@@ -93,6 +93,11 @@ class Metrics:
         self.queued = Gauge("braid:num_sequences_queued",
                             "Sequences accepted and not yet admitted, as admission control "
                             "counts them (--max-queued-sequences)", registry=r)
+        self.rank_bytes = Gauge("braid:rank_memory_bytes",
+                                "What each rank holds: its weights in every form (kind "
+                                "weights), its KV cache (kv_cache) and its process's resident "
+                                "memory (resident; absent for ranks on other hosts)",
+                                ["rank", "kind"], registry=r)
         self.ttft = Histogram("braid:time_to_first_token_seconds",
                               "Time from arrival to the first generated token",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -121,6 +126,11 @@ class Metrics:
             self._add_since_last(counter, f"grammar:{name}", getattr(stats.grammar, name))
         for path, value in stats.steps_by_path.items():
             self._add_since_last(self.steps_by_path.labels(path=path), f"path:{path}", value)
+        for rank, memory in enumerate(stats.memory):
+            self.rank_bytes.labels(rank=rank, kind="weights").set(memory.weight_bytes)
+            self.rank_bytes.labels(rank=rank, kind="kv_cache").set(memory.kv_cache_bytes)
+            if memory.resident_bytes:
+                self.rank_bytes.labels(rank=rank, kind="resident").set(memory.resident_bytes)
         for bucket, setting in stats.step_choices.items():
             previous = self._auto_choices.get(bucket)
             if previous != setting:

@@ -22,7 +22,7 @@ from braid.loader.model_config import ModelConfig
 from braid.loader.weights import load_weights, with_progress
 from braid.models.registry import model_class
 from braid.overlap.operations import execute, execute_overlapped
-from braid.platform import release_free_memory
+from braid.platform import process_namespace, release_free_memory
 from braid.step import RankReady, StepPlan, StepResult
 from braid.trace import tracer
 from braid.worker.compiled_step import (
@@ -113,7 +113,7 @@ class ModelRunner:
         not_compiled = self.kernels.not_compiled
         return RankReady(not_compiled, not_compiled is None and self._decode_step.cached(),
                          self.kernels.describe(), weight_bytes(self.model),
-                         kv_cache_bytes(self.model), os.getpid())
+                         kv_cache_bytes(self.model), os.getpid(), process_namespace())
 
     @functools.cached_property
     def _decode_step(self) -> CompiledDecodeStep:
