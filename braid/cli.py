@@ -243,7 +243,8 @@ def _make_random_model_flags(rand: argparse.ArgumentParser) -> None:
     rand.add_argument("--preset", choices=PRESETS, default="tiny",
                       help="tiny: test-sized, uneven head and expert splits, sliding windows; "
                            "bench: 4 layers at a ~1B model's widths (DeepSeek: V2-Lite's); "
-                           "1b, 3b, 8b (llama): Llama 3.2 1B and 3B, Llama 3.1 8B's exact shapes")
+                           "1b, 3b, 8b (llama): Llama 3.2 1B and 3B, Llama 3.1 8B's exact shapes; "
+                           "8b (qwen3): Qwen3-8B's")
     rand.add_argument("--seed", type=int, default=0)
     rand.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                       help="stored dtype (default: fp32 for tiny, else bf16)")

@@ -29,7 +29,7 @@ from braid.models.registry import RANDOM_MODELS
 
 # Every family's make-random-model names, and the presets each has.
 ARCHS = sorted(RANDOM_MODELS)
-# Every family has the common presets; the real shapes are Llama's.
+# Every family has the common presets; the real shapes are Llama's (and Qwen3's 8b).
 COMMON_PRESETS = ["tiny", "bench"]
 PRESETS = [*COMMON_PRESETS, "1b", "3b", "8b"]
 # The chat template of each family that has one of its own (`RandomModel.chat_template`).
@@ -167,10 +167,12 @@ def transformers_config(arch: str, preset: str, tokenizer):
     import transformers
 
     spec = RANDOM_MODELS[arch]
-    return getattr(transformers, spec.hf_config_class)(
-        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        rms_norm_eps=1e-6, **spec.random.presets[preset])
+    # A real shape's preset brings its own vocabulary size
+    common = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                  rms_norm_eps=1e-6)
+    return getattr(transformers, spec.hf_config_class)(**{**common,
+                                                          **spec.random.presets[preset]})
 
 
 def _write_transformers_model(arch: str, preset: str, dtype: str, seed: int, tokenizer,

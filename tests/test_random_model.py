@@ -25,6 +25,7 @@ from braid.random_model import (
     PRESETS,
     make_random_model,
     model_config,
+    transformers_config,
     weight_shapes,
 )
 
@@ -213,7 +214,7 @@ def test_every_family_has_the_common_presets_and_others_are_refused_by_name():
         assert presets[:len(COMMON_PRESETS)] == COMMON_PRESETS, arch
         assert set(presets) <= set(PRESETS), arch
     with pytest.raises(UserError, match=r"--arch qwen3 has no preset '1b' \(its presets: tiny, "
-                                        r"bench\)"):
+                                        r"bench, 8b\)"):
         make_random_model("qwen3", "1b", "unused")
 
 
@@ -228,3 +229,16 @@ def test_the_real_shape_presets_are_llama_3s():
         "tie_word_embeddings": True}
     names = [name for name, _ in weight_shapes(config)]
     assert "lm_head.weight" not in names and len(names) == 2 + 16 * 9  # tied: no head
+
+
+def test_the_qwen3_8b_preset_is_qwen3_8bs_shape(tokenizer):
+    """What `--arch qwen3 --preset 8b` builds, checked on its transformers config (16 GB of
+    weights otherwise): Qwen3-8B's widths, heads and vocabulary."""
+    config = transformers_config("qwen3", "8b", tokenizer)
+    assert {k: getattr(config, k) for k in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")} == {
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 151936, "tie_word_embeddings": False}
+    assert config.rope_parameters["rope_theta"] == 1e6

@@ -174,6 +174,11 @@ FAMILY = (
                           num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
                           head_dim=128, tie_word_embeddings=True,
                           rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+            # Qwen3-8B's exact shape, its 151,936-entry vocabulary included
+            "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                       num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=128, tie_word_embeddings=False, max_position_embeddings=40960,
+                       rope_parameters=dict(rope_type="default", rope_theta=1e6)),
         })),
     Architecture(
         "Qwen3MoeForCausalLM", Qwen3MoeForCausalLM, model_type="qwen3_moe",
