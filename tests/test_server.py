@@ -273,7 +273,7 @@ def test_models_health_tokenize_and_metrics(server, client, model, model_path):
                  "braid:requests_rejected_total"):
         assert name in exposition, name
     assert metric(server, "braid:generation_tokens_total") > 0
-    held = {(rank, kind): metric(server, f'braid:rank_memory_bytes{{rank="{rank}",kind="{kind}"}}')
+    held = {(rank, kind): metric(server, f'braid:rank_memory_bytes{{kind="{kind}",rank="{rank}"}}')
             for rank in (0, 1) for kind in ("weights", "kv_cache", "resident")}
     file_bytes = os.path.getsize(model_path)
     assert 0.5 * file_bytes < held[0, "weights"] + held[1, "weights"] <= 1.05 * file_bytes
