@@ -235,7 +235,9 @@ class CompileConfig(_Group):
         "Q6_K) stay in their blocks on CPU, computed from as they are (no dequantized copy); "
         "none: every weight dequantized to --dtype at load; int8: that, plus per-channel int8 "
         "copies of the linear weights, used by GEMMs of a few rows (decode at small batch; "
-        "bf16/fp16 models)", choices=("auto", "none", "int8"))
+        "bf16/fp16 models); int4: the linear weights rounded at load into llama.cpp's Q4_K "
+        "blocks (Q4_1 where a rank's columns are not a multiple of 256) and computed from as "
+        "a GGUF file's, no dense copy kept (CPU)", choices=("auto", "none", "int8", "int4"))
     weight_packing: str = setting(
         "auto", "oneDNN's blocked copy of bf16 linear weights on CPU, beside the row-major one "
         "(the weights' memory again), read by GEMMs past the few-row kernel's rows. auto: where "

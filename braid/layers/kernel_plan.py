@@ -34,6 +34,9 @@ class KernelPlan:
     gguf_blocks: bool = False
     # Linear layers' int8 copies for GEMMs of few rows (`--quantization int8`)
     int8_weights: bool = False
+    # Linear weights rounded into 4-bit GGML blocks at load (`--quantization int4`,
+    # `braid.layers.int4`)
+    int4_weights: bool = False
     # oneDNN's blocked copy of bf16 linear weights, read by GEMMs of at most
     # `packed_max_rows` rows (None: of any number)
     packed_weights: bool = False
@@ -52,7 +55,8 @@ class KernelPlan:
         return (f"decode attention {self.decode_attention}, prefill attention "
                 f"{self.prefill_attention}, KV layout {self.kv_layout}, packed weights "
                 f"{packed}, GGUF blocks {'kept' if self.gguf_blocks else 'dequantized'}, int8 "
-                f"weights {'on' if self.int8_weights else 'off'}, few-row "
+                f"weights {'on' if self.int8_weights else 'off'}, int4 weights "
+                f"{'on' if self.int4_weights else 'off'}, few-row "
                 f"GEMMs {f'up to {self.few_rows} rows' if self.few_rows else 'off'}, compiled "
                 "steps "
                 f"{self.not_compiled or 'on'}")

@@ -186,6 +186,7 @@ class RowParallelLinear(nn.Module, Quantizable):
         super().__init__()
         self.comm = comm
         self.reduce = reduce
+        self.in_features = in_features  # of the whole layer
         self.in_range = in_range or split_range(in_features, comm.world_size, comm.rank)
         self.weight = _param(out_features, self.in_range[1], dtype=dtype)
         self.weight.weight_loader = self.load_shard

@@ -17,6 +17,7 @@ from braid.distributed.comm import SwitchableCommunicator
 from braid.layers.forward_batch import ForwardBatch
 from braid.layers.fused import configure_compile
 from braid.layers.ggml_weight import keep_blocks
+from braid.layers.int4 import quantize_to_int4
 from braid.layers.quant import make_weight_forms
 from braid.loader.model_config import ModelConfig
 from braid.loader.weights import load_weights, with_progress
@@ -95,6 +96,8 @@ class ModelRunner:
             weights = with_progress(weights, "loading weights", delay_s=2.0)
         load_weights(self.model, trimming(weights))
         keep_blocks(self.model)
+        if self.kernels.int4_weights:
+            quantize_to_int4(self.model)
         release_free_memory()
         self.model.to(self.device).eval()
         self._packed = make_weight_forms(self.model, self.kernels)

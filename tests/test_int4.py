@@ -1,0 +1,103 @@
+"""`--quantization int4`: weights rounded at load into Q4_K and Q4_1 blocks that llama.cpp's
+own decoder reads back, and a model computed from them that is transformers' on the rounded
+weights."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from conftest import hf_greedy, slow
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from gguf.quants import quantize as gguf_quantize
+from test_hf_parity import check_logits
+
+from braid import LLM, SamplingParams, native
+from braid.layers.int4 import int4_blocks, quantize_q4_1, quantize_q4_k
+
+GREEDY_TOKENS = 8
+
+
+def rows_to_round(columns: int) -> torch.Tensor:
+    """Random rows with the cases a quantizer can get wrong: a row of zeros, a sub-block of one
+    value, one that is all positive (its minimum clamps to zero in Q4_K), a large outlier."""
+    w = torch.randn(16, columns, generator=torch.Generator().manual_seed(0)) * 0.05
+    w[1] = 0
+    w[2, :32] = 0.01
+    w[3] = w[3].abs()
+    w[4, 7] = 3.0
+    return w
+
+
+@pytest.mark.parametrize("kind,quantize", [(Q.Q4_K, quantize_q4_k), (Q.Q4_1, quantize_q4_1)])
+def test_blocks_are_read_back_as_rounded_weights(kind, quantize):
+    """llama.cpp's layout: the `gguf` package's decoder reads the weights back as 4-bit
+    roundings of them, Gaussian rows no further from the weights than the `gguf` package's own
+    Q4_1 quantizer puts them (zeros stay zero, an outlier within a percent), and braid's
+    decoder reads the same."""
+    w = rows_to_round(512)
+    blocks = quantize(w)
+    back = torch.from_numpy(dequantize(blocks.numpy(), kind).copy()).view(w.shape)
+    theirs = torch.from_numpy(dequantize(gguf_quantize(w.numpy(), Q.Q4_1), Q.Q4_1).copy())
+    gaussian = [0, *range(5, 16)]
+    error, their_error = ((b - w)[gaussian].pow(2).mean(-1).sqrt() for b in (back, theirs))
+    assert (error <= 1.05 * their_error).all(), (error, their_error)
+    assert (back[1] == 0).all()
+    assert back[4, 7] == pytest.approx(3.0, rel=0.01)
+    assert ((back[3] - w[3]).abs() <= 0.1 * w[3].abs().max()).all()
+    if native.load():
+        ours = torch.ops.braid.ggml_dequantize(blocks, int(kind), 512, torch.float32)
+        assert torch.equal(ours, back)
+
+
+def test_columns_choose_the_format():
+    assert int4_blocks(torch.zeros(2, 512)).types == [int(Q.Q4_K)]
+    assert int4_blocks(torch.zeros(2, 96)).types == [int(Q.Q4_1)]
+    assert int4_blocks(torch.zeros(2, 100)) is None
+
+
+def rounded_reference(hf_model):
+    """transformers' model with every linear weight rounded as int4 rounds it (the tied
+    embedding with the head)."""
+    model = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                weight = module.weight
+                blocks = int4_blocks(weight)
+                kind = Q(blocks.types[0])
+                back = dequantize(blocks.blocks[0].numpy(), kind).reshape(weight.shape)
+                weight.copy_(torch.from_numpy(np.ascontiguousarray(back)))
+    return model
+
+
+@pytest.fixture(scope="module")
+def int4_reference(hf_model, prompt_ids):
+    model = rounded_reference(hf_model)
+    with torch.inference_mode():
+        logits = [model(torch.tensor([ids])).logits[0].float() for ids in prompt_ids]
+        greedy = [hf_greedy(model, ids, GREEDY_TOKENS) for ids in prompt_ids]
+    return logits, greedy
+
+
+@pytest.mark.skipif(not native.load(), reason="int4 runs on braid's C++ operators")
+@pytest.mark.parametrize("tp,overlap", [(2, "on"), slow(1, "off"), slow(3, "on")])
+def test_int4_is_transformers_on_the_rounded_weights(tp, overlap, model_path, prompt_ids,
+                                                     int4_reference):
+    """The embedded model in fp32 with --quantization int4 (Q4_1 where a rank's columns are
+    576 or a third of it, Q4_K for the MLP's down projection): logits and greedy tokens are
+    transformers' with the same weights rounded, and the ranks hold about 5 bits a weight."""
+    ref_logits, ref_greedy = int4_reference
+    with LLM(model_path, tp=tp, dtype="fp32", overlap=overlap, quantization="int4") as llm:
+        readies = llm.core.executor.readies
+        check_logits(llm.prompt_logits(prompt_ids), ref_logits)
+        params = SamplingParams(max_new_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True)
+        outputs = llm.generate(prompt_ids, params)
+    assert all("int4 weights on" in r.kernels for r in readies)
+    fp32_bytes = 4 * 134.5e6  # SmolLM2-135M's parameters
+    assert sum(r.weight_bytes for r in readies) < 0.2 * fp32_bytes
+    for i, (out, ref) in enumerate(zip(outputs, ref_greedy)):
+        assert out.token_ids == ref, f"prompt {i}: greedy tokens differ from transformers"
