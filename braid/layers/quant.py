@@ -26,7 +26,8 @@ AVX512-BF16 (`decode_kernel.gemv_int8`).
 
 **GGUF blocks (`--quantization auto`).** A layer whose weight a GGUF file stores in quantized
 blocks keeps only those (`Quantizable.ggml`, `braid.layers.ggml_weight`): `apply_linear`
-computes from them and none of the forms here is made.
+computes from them and none of the forms here is made. `--quantization int4` gives the dense
+linear weights such blocks at load (`braid.layers.int4`).
 
 **Few rows (`--few-row-gemm`).** GEMMs of up to the plan's `few_rows` rows (decode, speculative
 verification) run braid's kernel over the row-major bf16 or fp32 weight
