@@ -16,7 +16,7 @@ from gguf.quants import quantize as gguf_quantize
 from test_hf_parity import check_logits
 
 from braid import LLM, SamplingParams, native
-from braid.layers.int4 import int4_blocks, quantize_q4_1, quantize_q4_k
+from braid.layers.int4 import Q4_1, Q4_K, int4_blocks, quantize_q4_1, quantize_q4_k
 
 GREEDY_TOKENS = 8
 
@@ -51,6 +51,10 @@ def test_blocks_are_read_back_as_rounded_weights(kind, quantize):
     if native.load():
         ours = torch.ops.braid.ggml_dequantize(blocks, int(kind), 512, torch.float32)
         assert torch.equal(ours, back)
+
+
+def test_the_type_numbers_are_ggmls():
+    assert (Q4_1, Q4_K) == (int(Q.Q4_1), int(Q.Q4_K))
 
 
 def test_columns_choose_the_format():

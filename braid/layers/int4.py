@@ -19,13 +19,14 @@ an embedding tied to an LM head shares the head's blocks (lookups decode their r
 from __future__ import annotations
 
 import torch
-from gguf import GGMLQuantizationType
 from torch import nn
 
 from braid.layers.ggml_weight import GGMLWeight
 from braid.platform import release_free_memory
 
-Q4_K, Q4_1 = int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q4_1)
+# GGML's type numbers (the `gguf` package's `GGMLQuantizationType`, which rank processes do not
+# import: see test_launch)
+Q4_1, Q4_K = 3, 12
 SUPER_BLOCK, BLOCK = 256, 32
 # Rows rounded at a time: bounds the fp32 temporaries to a few times this many rows' bytes
 ROWS_AT_ONCE = 2048
