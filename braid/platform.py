@@ -64,7 +64,6 @@ def release_free_memory() -> None:
         trim(0)
 
 
-
 @functools.cache
 def process_namespace() -> str:
     """Where this process's id means this process: the host and its PID namespace. A process

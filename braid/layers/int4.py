@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from braid.layers.ggml_weight import GGMLWeight
+from braid.layers.quant import Quantizable
 from braid.platform import release_free_memory
 
 # GGML's type numbers (the `gguf` package's `GGMLQuantizationType`, which rank processes do not
@@ -127,8 +128,6 @@ def quantize_to_int4(model: nn.Module) -> int:
     """Round every dense, packable linear weight of `model` into 4-bit blocks (`layer.ggml`),
     freeing the dense parameter (a zero-stride view keeps its shape); an embedding tied to one
     of them shares its blocks. The bytes the blocks take."""
-    from braid.layers.quant import Quantizable
-
     made: dict[int, GGMLWeight | None] = {}
     for layer in model.modules():
         if not isinstance(layer, Quantizable) or not layer.packable or layer.ggml is not None:

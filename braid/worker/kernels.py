@@ -49,7 +49,7 @@ def plan_kernels(engine: EngineConfig, model: nn.Module) -> KernelPlan:
         prefill_attention=_prefill_attention(decode_operator, attention, dtype, device),
         gguf_blocks=operators and keeps_gguf_blocks(engine),
         int8_weights=_int8_weights(engine),
-        int4_weights=operators and _int4_weights(engine),
+        int4_weights=_int4_weights(engine, operators),
         packed_weights=(_packs(engine, operators)
                         and packing_supported(torch.empty(0, dtype=dtype, device=device))),
         packed_max_rows=AMX_PACKED_MAX_ROWS if "amx_bf16" in cpu_flags() else None,
@@ -146,14 +146,16 @@ def _packs(engine: EngineConfig, operators: bool) -> bool:
     return operators and mode == "on"
 
 
-def _int4_weights(engine: EngineConfig) -> bool:
-    """`--quantization int4`, where braid's kernels compute from GGML blocks: on CPUs whose
-    vector units serve the run's dtype (elsewhere every GEMM would decode its whole weight)."""
+def _int4_weights(engine: EngineConfig, operators: bool) -> bool:
+    """`--quantization int4`, where braid's kernels compute from GGML blocks: its operators
+    built, on CPUs whose vector units serve the run's dtype (elsewhere every GEMM would decode
+    its whole weight)."""
     if engine.compile.quantization != "int4":
         return False
-    if engine.parallel.device != "cpu" or not decode_kernel.few_rows_serve(engine.torch_dtype):
-        warnings.warn("--quantization int4 runs dense: its kernels need a CPU with AVX-512 "
-                      "(AVX512-BF16 for bf16)", stacklevel=3)
+    if (not operators or engine.parallel.device != "cpu"
+            or not decode_kernel.few_rows_serve(engine.torch_dtype)):
+        warnings.warn("--quantization int4 runs dense: its kernels need braid's operators on a "
+                      "CPU with AVX-512 (AVX512-BF16 for bf16)", stacklevel=3)
         return False
     return True
 
