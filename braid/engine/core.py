@@ -36,6 +36,8 @@ from braid.models.registry import model_class
 from braid.platform import process_namespace, resident_bytes
 from braid.step import SequenceDelta, StepMode, StepPlan, StepResult
 
+# Seconds between two reads of the ranks' resident memory for the stats
+RANK_MEMORY_REFRESH_S = 1.0
 # `--compile auto` compiles for a job of at least this many tokens to generate (`generate`,
 # `LLM.generate`), by whether the graphs are saved: loading them and compiling the pieces is
 # soon repaid by compiled decode steps, compiling cold takes minutes (figures:
@@ -82,6 +84,8 @@ class EngineCore:
         self.num_sequences_received = 0
         self.steps_by_path: Counter[str] = Counter()
         self.last_path = ""  # the path the latest step took (`StepResult.path`)
+        self._rank_memory: list[RankMemory] = []
+        self._rank_memory_read_at = -RANK_MEMORY_REFRESH_S
         self.compiled = False
         self.speculator = None
         if config.speculative.method == "ngram":
@@ -293,11 +297,17 @@ class EngineCore:
 
     def rank_memory(self) -> list[RankMemory]:
         """Each rank's weights and KV cache, as it reported them, and its process's resident
-        memory now (read where the rank's process is visible from here)."""
-        here = process_namespace()
-        return [RankMemory(r.weight_bytes, r.kv_cache_bytes,
+        memory (read where the rank's process is visible from here, at most every
+        RANK_MEMORY_REFRESH_S: stats go out with every step)."""
+        now = time.monotonic()
+        if now - self._rank_memory_read_at >= RANK_MEMORY_REFRESH_S:
+            here = process_namespace()
+            self._rank_memory = [
+                RankMemory(r.weight_bytes, r.kv_cache_bytes,
                            resident_bytes(r.pid) if r.pid and r.namespace == here else 0)
                 for r in self.executor.readies]
+            self._rank_memory_read_at = now
+        return self._rank_memory
 
     def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """fp32 logits at every position of each prompt (one batched prefill, outside the
