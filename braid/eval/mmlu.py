@@ -79,7 +79,7 @@ def subject_header(subject: str) -> str:
 
 def dev_text(data_dir: str) -> str:
     """Every subject's header and solved dev questions, in subject order: a fixed text of
-    about 25,000 tokens to score perplexity on."""
+    about 30,000 tokens to score perplexity on."""
     root = Path(data_dir)
     return "".join(subject_header(subject) + "".join(
         format_example(row, True) for row in _rows(root / "dev" / f"{subject}_dev.csv"))

@@ -23,7 +23,6 @@ from torch import nn
 
 from braid.layers.ggml_weight import GGMLWeight
 from braid.layers.quant import Quantizable
-from braid.platform import release_free_memory
 
 # GGML's type numbers (the `gguf` package's `GGMLQuantizationType`, which rank processes do not
 # import: see test_launch)
@@ -124,10 +123,10 @@ def int4_blocks(weight: torch.Tensor, first_column: int = 0,
     return GGMLWeight(columns, [kind], [blocks])
 
 
-def quantize_to_int4(model: nn.Module) -> int:
+def quantize_to_int4(model: nn.Module) -> None:
     """Round every dense, packable linear weight of `model` into 4-bit blocks (`layer.ggml`),
     freeing the dense parameter (a zero-stride view keeps its shape); an embedding tied to one
-    of them shares its blocks. The bytes the blocks take."""
+    of them shares its blocks."""
     made: dict[int, GGMLWeight | None] = {}
     for layer in model.modules():
         if not isinstance(layer, Quantizable) or not layer.packable or layer.ggml is not None:
@@ -140,10 +139,8 @@ def quantize_to_int4(model: nn.Module) -> int:
             made[id(param)] = int4_blocks(param.data, first_column, row_length)
             if made[id(param)] is not None:
                 param.data = torch.zeros((), dtype=param.dtype).expand(param.shape)
-                release_free_memory()
         layer.ggml = made[id(param)]
     for layer in model.modules():  # embeddings tied to a quantized head
         weight = getattr(layer, "weight", None)
         if hasattr(layer, "ggml") and layer.ggml is None and id(weight) in made:
             layer.ggml = made[id(weight)]
-    return sum(w.nbytes for w in made.values() if w is not None)
