@@ -232,7 +232,8 @@ class CompileConfig(_Group):
         "off", flag="--compile", key="compile", choices=("auto", "on", "off"))
     quantization: str = setting(
         "auto", "auto: a GGUF file's quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, "
-        "Q6_K) stay in their blocks on CPU, computed from as they are (no dequantized copy); "
+        "Q6_K) stay in their blocks on CPU, computed from as they are (no dequantized copy), "
+        "and so do an AWQ or GPTQ checkpoint's, as the same blocks; "
         "none: every weight dequantized to --dtype at load; int8: that, plus per-channel int8 "
         "copies of the linear weights, used by GEMMs of a few rows (decode at small batch; "
         "bf16/fp16 models); int4: the linear weights rounded at load into llama.cpp's Q4_K "

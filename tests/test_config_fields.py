@@ -87,6 +87,13 @@ def test_default_configs_pass(architecture, tmp_path):
     ("Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, max_window_layers=1,
                                  mlp_only_layers=[0])),
     ("MixtralForCausalLM", dict(router_jitter_noise=0.1)),
+    # AutoAWQ's and GPTQ's usual configs (braid.loader.awq_gptq)
+    ("LlamaForCausalLM", dict(quantization_config=dict(
+        quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm",
+        modules_to_not_convert=None))),
+    ("Qwen2ForCausalLM", dict(quantization_config=dict(
+        quant_method="gptq", bits=8, group_size=128, desc_act=True, sym=True,
+        checkpoint_format="gptq"))),
     ("Gemma3ForCausalLM", dict(rope_local_base_freq=10000.0, sliding_window_pattern=2,
                                rope_scaling=dict(rope_type="linear", factor=8.0))),
     ("Phi3ForCausalLM", dict(rope_scaling=dict(type="su", short_factor=[1.0] * 8,
@@ -112,7 +119,8 @@ FP8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
                                                    partial_rotary_factor=0.5)),
      "rope_parameters.partial_rotary_factor", "0.5"),
     ("LlamaForCausalLM", dict(partial_rotary_factor=0.75), "partial_rotary_factor", "0.75"),
-    ("MistralForCausalLM", dict(quantization_config=FP8), "quantization_config", "'fp8'"),
+    ("MistralForCausalLM", dict(quantization_config=FP8), "quantization_config.quant_method",
+     "'fp8'"),
     ("Qwen2ForCausalLM", dict(layer_types=["full_attention", "chunked_attention"]),
      "layer_types", "'chunked_attention'"),
     ("Qwen3MoeForCausalLM", dict(hidden_act="relu"), "hidden_act", "'relu'"),
@@ -135,7 +143,13 @@ FP8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     ("MixtralForCausalLM", dict(hidden_act="gelu"), "hidden_act", "'gelu'"),
     ("DeepseekV2ForCausalLM", dict(moe_layer_freq=2), "moe_layer_freq", "2"),
     ("DeepseekV2ForCausalLM", dict(mlp_bias=True), "mlp_bias", "True"),
-    ("DeepseekV3ForCausalLM", dict(quantization_config=FP8), "quantization_config", "'fp8'"),
+    ("DeepseekV3ForCausalLM", dict(quantization_config=FP8), "quantization_config.quant_method",
+     "'fp8'"),
+    ("LlamaForCausalLM", dict(quantization_config=dict(quant_method="awq", bits=4,
+                                                       version="gemv")),
+     "quantization_config.version", "'gemv'"),
+    ("Qwen2ForCausalLM", dict(quantization_config=dict(quant_method="gptq", bits=3)),
+     "quantization_config.bits", "3"),
 ])
 def test_unimplemented_values_are_refused_by_name(architecture, changes, field, value,
                                                   tmp_path):

@@ -18,7 +18,7 @@ from braid import native
 from braid.config import EngineConfig
 from braid.distributed.ranks import check_not_bootstrapping, launch_ranks
 from braid.distributed.shm import ShmSegment, activation_slot_bytes
-from braid.layers.ggml_weight import keeps_gguf_blocks
+from braid.layers.ggml_weight import keeps_quantized_blocks
 from braid.loader.model_config import ModelConfig
 from braid.loader.weight_cache import prepare_gguf_weights
 from braid.models.registry import model_class
@@ -69,7 +69,8 @@ class RankExecutor:
             print(f"tp {tp} split: {split}", file=sys.stderr)
         if config.parallel.device == "cpu":
             native.load(announce=True)  # built once, here, so that no rank waits on the build
-        if config.cache and Path(config.model).is_file() and not keeps_gguf_blocks(config):
+        if (config.cache and Path(config.model).is_file()
+                and not keeps_quantized_blocks(config, model_config)):
             prepare_gguf_weights(config.model, model_config, config.torch_dtype)
         segment = None
         if config.parallel.comm == "shm" and config.parallel.tp > 1:

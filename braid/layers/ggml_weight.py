@@ -29,6 +29,7 @@ from torch import nn
 from braid import native
 from braid.config import EngineConfig
 from braid.layers import decode_kernel
+from braid.loader.model_config import ModelConfig
 from braid.platform import release_free_memory
 
 # GEMMs of at most this many rows run the few-row kernel over decoded tiles; larger ones
@@ -80,12 +81,14 @@ class GGMLWeight:
                           for kind, blocks in zip(self.types, self.blocks)])
 
 
-def keeps_gguf_blocks(engine: EngineConfig) -> bool:
-    """Whether a launch of `engine` keeps its checkpoint's quantized blocks: a GGUF file,
-    `--quantization auto`, on a CPU whose vector units the decode kernels use for the run's
-    dtype (elsewhere every GEMM would decode its whole weight, so the blocks are dequantized
-    at load instead), with braid's operators built."""
-    return (engine.compile.quantization == "auto" and Path(engine.model).is_file()
+def keeps_quantized_blocks(engine: EngineConfig, config: ModelConfig) -> bool:
+    """Whether a launch of `engine` keeps its checkpoint's quantized blocks: a GGUF file or an
+    AWQ/GPTQ folder (`braid.loader.awq_gptq`), `--quantization auto`, on a CPU whose vector
+    units the decode kernels use for the run's dtype (elsewhere every GEMM would decode its
+    whole weight, so the blocks are dequantized at load instead), with braid's operators
+    built."""
+    quantized = Path(engine.model).is_file() or bool(config.extra.get("quantization_config"))
+    return (engine.compile.quantization == "auto" and quantized
             and engine.parallel.device == "cpu"
             and decode_kernel.few_rows_serve(engine.torch_dtype) and native.load())
 

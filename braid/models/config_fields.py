@@ -165,11 +165,34 @@ COMMON_RULES = dict(rope_parameters=ROPE, rope_scaling=ROPE, hidden_act=SILU)
 # Mixture-of-experts training settings: the auxiliary load-balancing loss and its logits.
 ROUTER_TRAINING = ("output_router_logits", "router_aux_loss_coef")
 
+def _check_quantization(architecture: str, field: str, value: Any) -> None:
+    """AWQ's "gemm" layout at 4 bits and GPTQ at 4 or 8 bits (`braid.loader.awq_gptq`)."""
+    if not value:
+        return
+    supported = ("AWQ (version gemm, 4 bits with zero points) and GPTQ (4 or 8 bits) "
+                 "checkpoints, or unquantized ones")
+    method = value.get("quant_method")
+    bits = value.get("bits", value.get("w_bit"))
+    if method == "awq":
+        checks = [("version", str(value.get("version", "gemm")).lower() == "gemm"),
+                  ("zero_point", value.get("zero_point", True) is True), ("bits", bits == 4)]
+    elif method == "gptq":
+        checks = [("bits", bits in (4, 8)),
+                  ("checkpoint_format",
+                   value.get("checkpoint_format", "gptq") in ("gptq", "gptq_v2"))]
+    else:
+        checks = [("quant_method", False)]
+    for key, holds in checks:
+        if not holds:
+            refuse(architecture, f"{field}.{key}", bits if key == "bits" else value.get(key),
+                   supported)
+
+
 # Keys no architecture's table lists that change any model's computation: quantized weights
-# (braid reads unquantized safetensors), and a rotary over part of each head (transformers
-# moves a top-level partial_rotary_factor into every model's rotary parameters).
+# (braid reads unquantized safetensors and AWQ/GPTQ ones), and a rotary over part of each head
+# (transformers moves a top-level partial_rotary_factor into every model's rotary parameters).
 GENERIC_FIELDS: dict[str, Rule] = {
-    "quantization_config": neutral(None, {}, supported="unquantized checkpoints only"),
+    "quantization_config": Rule(IMPLEMENTED, _check_quantization),
     "compression_config": neutral(None, {}, supported="unquantized checkpoints only"),
     "partial_rotary_factor": neutral(1.0, None),
 }

@@ -17,7 +17,7 @@ from braid import native
 from braid.config import EngineConfig
 from braid.layers import decode_kernel, kv_layout
 from braid.layers.attention import PagedAttention
-from braid.layers.ggml_weight import keeps_gguf_blocks
+from braid.layers.ggml_weight import keeps_quantized_blocks
 from braid.layers.kernel_plan import KernelPlan
 from braid.layers.moe import RoutedExperts
 from braid.layers.quant import packing_supported
@@ -47,7 +47,7 @@ def plan_kernels(engine: EngineConfig, model: nn.Module) -> KernelPlan:
         kv_layout=layout,
         decode_attention="operator" if decode_operator else "gathered",
         prefill_attention=_prefill_attention(decode_operator, attention, dtype, device),
-        gguf_blocks=operators and keeps_gguf_blocks(engine),
+        gguf_blocks=operators and keeps_quantized_blocks(engine, model.config),
         int8_weights=_int8_weights(engine),
         int4_weights=_int4_weights(engine, operators),
         packed_weights=(_packs(engine, operators)

@@ -50,7 +50,7 @@ def checkpoint_weights(model_path: str, config: ModelConfig, dtype: torch.dtype 
                        keep_blocks: bool = False):
     """Lazy (name, weight) pairs of a GGUF file (with `keep_blocks`, its quantized tensors as
     blocks; else from braid's cache of its dequantised weights in `dtype` when there is one)
-    or of a safetensors folder."""
+    or of a safetensors folder (an AWQ/GPTQ one's integer weights as blocks likewise)."""
     if Path(model_path).is_file():
         from braid.loader.weight_cache import cached_gguf_weights
 
@@ -61,9 +61,12 @@ def checkpoint_weights(model_path: str, config: ModelConfig, dtype: torch.dtype 
         from braid.loader.gguf import iterate_gguf
 
         return iterate_gguf(model_path, config, keep_blocks)
+    from braid.loader.awq_gptq import integer_checkpoint_weights, integer_weights
     from braid.loader.safetensors import iterate_safetensors
 
-    return iterate_safetensors(model_path)
+    weights = iterate_safetensors(model_path)
+    scheme = integer_weights(config.extra.get("quantization_config"))
+    return weights if scheme is None else integer_checkpoint_weights(weights, scheme, keep_blocks)
 
 
 def rank_device(device: str, rank: int) -> torch.device:
