@@ -10,7 +10,9 @@
 // (few_rows.h); either way memory carries the blocks' bytes only (Q4: a quarter of bf16's).
 // Larger GEMMs (prefill) decode a chunk of rows at a time and hand it to ATen's GEMM, whose
 // cost grows with the rows while the decoding's does not. In bf16, Q4_K, Q6_K and Q8_0 at up
-// to `few_rows` rows go to ggml_int8.cpp's integer arithmetic instead (llama.cpp's).
+// to `few_rows` rows go to ggml_int8.cpp's integer arithmetic instead (llama.cpp's). CPUs with
+// AVX2 but no AVX-512 decode with ggml_avx2.cpp's 256-bit decoders (fp32, up to four rows in
+// registers).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -161,6 +163,13 @@ void decode_rows(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t
   for (int64_t n = n0; n < n1; ++n) {
     T* dst = out + (n - n0) * K;
     float* values = std::is_same_v<T, float> ? reinterpret_cast<float*>(dst) : scratch;
+#if defined(BRAID_GGML_AVX2)
+    if (avx2_decodes(type)) {
+      avx2_decode_row(type, blocks + n * row_bytes, values, K);
+      narrow_to(values, dst, K);
+      continue;
+    }
+#endif
     decode_row(type, blocks + n * row_bytes, values, K);
     narrow_to(values, dst, K);
   }
@@ -481,6 +490,11 @@ at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
     return few_rows_over<Bf16Dot>(x, blocks, type);
 #endif
   }
+#endif
+#if defined(BRAID_GGML_AVX2)
+  if (M <= std::min(few_rows, AVX2_MAX_ROWS) && x.scalar_type() == at::kFloat &&
+      avx2_decodes(type))
+    return avx2_few_rows_linear(x, blocks, type);
 #endif
   at::Tensor y = at::empty({M, N}, x.options());
   const int64_t chunk = std::max<int64_t>(16, CHUNK_BYTES / (K * x.element_size()));

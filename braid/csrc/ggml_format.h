@@ -55,6 +55,20 @@ inline void unpack_scales_k4(const uint8_t* packed, uint8_t out[16]) {
   std::memcpy(out, unpacked, sizeof unpacked);
 }
 
+// CPUs with AVX2 and FMA but not AVX-512 decode the usual formats with 256-bit vectors
+// (ggml_avx2.cpp); AVX-512 ones with ggml_blocks.cpp's own decoders.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define BRAID_GGML_AVX2 1
+// fp32 input rows that avx2_few_rows_linear multiplies in registers (more: decoded chunks)
+constexpr int64_t AVX2_MAX_ROWS = 4;
+// Whether ggml_avx2.cpp decodes blocks of `type`.
+bool avx2_decodes(int64_t type);
+// A weight row of K weights in blocks of `type` (one `avx2_decodes`) into out[0, K) as fp32.
+void avx2_decode_row(int64_t type, const uint8_t* row, float* out, int64_t K);
+// x [M, K] (fp32, M <= AVX2_MAX_ROWS) @ W^T over W's blocks of `type`.
+at::Tensor avx2_few_rows_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type);
+#endif
+
 // Whether ggml_int8.cpp computes the few-row GEMMs over blocks of `type` with `dtype` inputs
 // of K columns on this CPU.
 bool int8_dot_serves(int64_t type, at::ScalarType dtype, int64_t K);

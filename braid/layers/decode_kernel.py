@@ -94,6 +94,15 @@ def few_rows_serve(dtype: torch.dtype) -> bool:
     return flag in cpu_flags()
 
 
+def block_kernels_serve(dtype: torch.dtype) -> bool:
+    """Whether this CPU's kernels over GGML blocks (`braid.layers.ggml_weight`) multiply
+    activations of `dtype` as they decode (elsewhere every GEMM would decode its whole weight
+    first): where the few-row kernel serves, and fp32 with AVX2 and FMA
+    (`csrc/ggml_avx2.cpp`)."""
+    avx2 = dtype == torch.float32 and {"avx2", "fma", "f16c"} <= cpu_flags()
+    return avx2 or few_rows_serve(dtype)
+
+
 def few_rows_fits(weight: torch.Tensor) -> bool:
     """Whether the few-row kernel takes this weight: row-major, on a CPU it serves
     (`few_rows_serve`), its rows a multiple of a vector's elements."""

@@ -83,14 +83,13 @@ class GGMLWeight:
 
 def keeps_quantized_blocks(engine: EngineConfig, config: ModelConfig) -> bool:
     """Whether a launch of `engine` keeps its checkpoint's quantized blocks: a GGUF file or an
-    AWQ/GPTQ folder (`braid.loader.awq_gptq`), `--quantization auto`, on a CPU whose vector
-    units the decode kernels use for the run's dtype (elsewhere every GEMM would decode its
-    whole weight, so the blocks are dequantized at load instead), with braid's operators
-    built."""
+    AWQ/GPTQ folder (`braid.loader.awq_gptq`), `--quantization auto`, on a CPU whose block
+    kernels serve the run's dtype (`decode_kernel.block_kernels_serve`; elsewhere the blocks
+    are dequantized at load), with braid's operators built."""
     quantized = Path(engine.model).is_file() or bool(config.extra.get("quantization_config"))
     return (engine.compile.quantization == "auto" and quantized
             and engine.parallel.device == "cpu"
-            and decode_kernel.few_rows_serve(engine.torch_dtype) and native.load())
+            and decode_kernel.block_kernels_serve(engine.torch_dtype) and native.load())
 
 
 def file_blocks(param: nn.Parameter, row: int, kind: int, blocks: torch.Tensor) -> None:

@@ -3,12 +3,15 @@
 AutoAWQ (its "gemm" layout) and GPTQ (AutoGPTQ and GPTQModel, formats `gptq` and `gptq_v2`)
 store a linear layer's weight as `qweight` (integers packed into int32s), `qzeros` (likewise)
 and `scales`, one zero and one scale per output row and group of input columns (GPTQ's `g_idx`
-names each column's group); the weight is `(q - zero) * scale`. Where every run of 32
-consecutive columns lies in one group (any group size that is a multiple of 32, unless GPTQ's
-act-order scattered the groups), the weight is exactly a row of llama.cpp's blocks:
+names each column's group); the weight is `(q - zero) * scale`. braid computes
+`q * scale + fp16(-zero * scale)`: the same where the zero is 8 or 128, else within half an fp16
+step of the minimum `zero * scale`, as llama.cpp's Q4_1 holds it (AWQ's and GPTQ's fp16
+kernels round each weight to fp16 likewise). Where every run of 32 consecutive columns lies in
+one group (any group size that is a multiple of 32, unless GPTQ's act-order scattered the
+groups), that is exactly a row of llama.cpp's blocks:
 
 - Q4_0 (`d = scale`, values `q - 8`) where every zero is 8 (GPTQ's symmetric 4 bits);
-- Q4_1 (`d = scale`, `m = -zero * scale` in fp16, which is how AWQ's own kernels hold it);
+- Q4_1 (`d = scale`, `m = fp16(-zero * scale)`);
 - Q8_0 (`d = scale`, values `q - 128`) where every zero is 128 (GPTQ's symmetric 8 bits).
 
 So the loader hands the layers those blocks (`LazyWeight.ggml_type`) and braid's GGUF kernels
@@ -118,18 +121,24 @@ class IntegerWeight(LazyWeight):
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         if dim == 1:
             return self.narrow(0, 0, self.shape[0]).narrow(1, start, length).contiguous()
-        group = self._group
-        zeros = self._zeros[start:start + length][:, group].float()
-        scales = self._scales[start:start + length][:, group].float()
-        return (self._ints(start, length).float() - zeros) * scales
+        scales = self._scales[start:start + length]
+        minimums = self._minimums(scales, start, length).float()[:, self._group]
+        return self._ints(start, length).float() * scales.float()[:, self._group] + minimums
+
+    def _minimums(self, scales: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        """fp16 `-zero * scale` of rows `[start, start + length)` (`scales` theirs)."""
+        zeros = self._zeros[start:start + length]
+        return (-(zeros.float() * scales.float())).to(torch.float16)
 
     def block_rows(self, start: int, length: int) -> torch.Tensor:
         if self.ggml_type is None:
             return super().block_rows(start, length)
         ints = self._ints(start, length).view(length, -1, BLOCK)
         blocks = ints.shape[1]
+        scales = self._scales[start:start + length]
+        minimums = self._minimums(scales, start, length)
         group = self._group[::BLOCK]
-        scales = self._scales[start:start + length][:, group]
+        scales, minimums = scales[:, group], minimums[:, group]
 
         def as_bytes(halves: torch.Tensor) -> torch.Tensor:
             return halves.to(torch.float16).contiguous().view(torch.uint8).view(length, blocks, 2)
@@ -141,8 +150,7 @@ class IntegerWeight(LazyWeight):
             nibbles = ints[..., :16] | (ints[..., 16:] << 4)
             parts = [as_bytes(scales), nibbles]
             if self.ggml_type == Q4_1:
-                zeros = self._zeros[start:start + length][:, group]
-                parts.insert(1, as_bytes(-(zeros.float() * scales.float())))
+                parts.insert(1, as_bytes(minimums))
         return torch.cat(parts, dim=-1).view(length, -1)
 
 

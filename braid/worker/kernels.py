@@ -153,9 +153,9 @@ def _int4_weights(engine: EngineConfig, operators: bool) -> bool:
     if engine.compile.quantization != "int4":
         return False
     if (not operators or engine.parallel.device != "cpu"
-            or not decode_kernel.few_rows_serve(engine.torch_dtype)):
+            or not decode_kernel.block_kernels_serve(engine.torch_dtype)):
         warnings.warn("--quantization int4 runs dense: its kernels need braid's operators on a "
-                      "CPU with AVX-512 (AVX512-BF16 for bf16)", stacklevel=3)
+                      "CPU with AVX2 and FMA (fp32) or AVX512-BF16 (bf16)", stacklevel=3)
         return False
     return True
 

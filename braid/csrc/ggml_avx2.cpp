@@ -1,0 +1,181 @@
+// GGML blocks on CPUs with AVX2 and FMA but no AVX-512 (ggml_blocks.cpp's vector decoders need
+// AVX-512): the formats of llama.cpp's usual files (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) decoded eight
+// weights at a time into one fp32 vector, with the same operations in the same order as the
+// `gguf` package's `dequantize`, so the same values. Decode GEMMs of up to four fp32 rows
+// multiply each decoded vector in registers, so memory carries the blocks' bytes only; larger
+// GEMMs and `ggml_dequantize` store the decoded rows (ggml_blocks.cpp).
+#include "ggml_format.h"
+
+#if defined(BRAID_GGML_AVX2)
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+namespace braid_ggml {
+namespace {
+
+inline __m256i bytes8(const uint8_t* p) {  // 8 bytes as 8 int32 lanes
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i signed_bytes8(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 as_float(__m256i v) { return _mm256_cvtepi32_ps(v); }
+inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi32(15)); }
+inline __m256i high_nibbles(__m256i v) { return _mm256_srli_epi32(v, 4); }
+
+// Each decoder hands its block's weights to `emit(k, v)`: elements [k, k + 8) of the block.
+
+template <typename Emit>
+void q4_0(const uint8_t* b, Emit& emit) {  // (q - 8) d
+  const __m256 d = _mm256_set1_ps(half_at(b));
+  const __m256i eight = _mm256_set1_epi32(8);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i q = bytes8(b + 2 + 8 * h);
+    emit(8 * h, _mm256_mul_ps(d, as_float(_mm256_sub_epi32(low_nibbles(q), eight))));
+    emit(16 + 8 * h, _mm256_mul_ps(d, as_float(_mm256_sub_epi32(high_nibbles(q), eight))));
+  }
+}
+
+template <typename Emit>
+void q4_1(const uint8_t* b, Emit& emit) {  // q d + m
+  const __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
+  for (int h = 0; h < 2; ++h) {
+    const __m256i q = bytes8(b + 4 + 8 * h);
+    emit(8 * h, _mm256_add_ps(_mm256_mul_ps(d, as_float(low_nibbles(q))), m));
+    emit(16 + 8 * h, _mm256_add_ps(_mm256_mul_ps(d, as_float(high_nibbles(q))), m));
+  }
+}
+
+template <typename Emit>
+void q8_0(const uint8_t* b, Emit& emit) {  // q d
+  const __m256 d = _mm256_set1_ps(half_at(b));
+  for (int k = 0; k < 32; k += 8) emit(k, _mm256_mul_ps(d, as_float(signed_bytes8(b + 2 + k))));
+}
+
+template <typename Emit>
+void q4_k(const uint8_t* b, Emit& emit) {  // sub-block i of 32: (d scale_i) q - (dmin min_i)
+  alignas(16) uint8_t unpacked[16];
+  unpack_scales_k4(b + 4, unpacked);
+  const __m256 d = _mm256_set1_ps(half_at(b)), dmin = _mm256_set1_ps(half_at(b + 2));
+  alignas(32) float steps[8], offsets[8];
+  _mm256_store_ps(steps, _mm256_mul_ps(d, as_float(bytes8(unpacked))));
+  _mm256_store_ps(offsets, _mm256_mul_ps(dmin, as_float(bytes8(unpacked + 8))));
+  for (int i = 0; i < 8; ++i) {  // 32 bytes serve sub-blocks 2c (low nibbles) and 2c + 1
+    const uint8_t* q = b + 16 + 32 * (i / 2);
+    const __m256 step = _mm256_set1_ps(steps[i]), offset = _mm256_set1_ps(offsets[i]);
+    for (int l = 0; l < 32; l += 8) {
+      const __m256i v = i % 2 ? high_nibbles(bytes8(q + l)) : low_nibbles(bytes8(q + l));
+      emit(32 * i + l, _mm256_sub_ps(_mm256_mul_ps(step, as_float(v)), offset));
+    }
+  }
+}
+
+template <typename Emit>
+void q6_k(const uint8_t* b, Emit& emit) {  // (d scale) (q - 32), a scale per 16
+  const float d = half_at(b + 208);
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const __m256i fifteen = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
+  const __m256i bias = _mm256_set1_epi32(32);
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = b + 64 * h;
+    const uint8_t* qh = b + 128 + 32 * h;
+    const int8_t* sc = scales + 8 * h;
+    for (int l = 0; l < 32; l += 8) {
+      const __m256i a = bytes8(ql + l), c = bytes8(ql + l + 32), hi = bytes8(qh + l);
+      const auto high = [&](int shift) {
+        return _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, shift), three), 4);
+      };
+      const __m256i quants[4] = {
+          _mm256_or_si256(_mm256_and_si256(a, fifteen), high(0)),
+          _mm256_or_si256(_mm256_and_si256(c, fifteen), high(2)),
+          _mm256_or_si256(_mm256_srli_epi32(a, 4), high(4)),
+          _mm256_or_si256(_mm256_srli_epi32(c, 4), high(6))};
+      for (int j = 0; j < 4; ++j) {
+        const __m256 step = _mm256_set1_ps(d * float(sc[l / 16 + 2 * j]));
+        emit(128 * h + 32 * j + l,
+             _mm256_mul_ps(step, as_float(_mm256_sub_epi32(quants[j], bias))));
+      }
+    }
+  }
+}
+
+// Every block of a weight row, in order, through `emit(k, v)` (k: the row's element).
+template <typename Emit>
+void decode_row_with(int64_t type, const uint8_t* row, int64_t K, Emit& emit) {
+  const Format f = format_of(type);
+  const auto blocks = [&](auto decode_block) {
+    for (int64_t i = 0; i < K / f.elements; ++i) {
+      const auto shifted = [&](int64_t k, __m256 v) { emit(i * f.elements + k, v); };
+      decode_block(row + i * f.bytes, shifted);
+    }
+  };
+  switch (type) {
+    case Q4_0: return blocks([](const uint8_t* b, auto& e) { q4_0(b, e); });
+    case Q4_1: return blocks([](const uint8_t* b, auto& e) { q4_1(b, e); });
+    case Q8_0: return blocks([](const uint8_t* b, auto& e) { q8_0(b, e); });
+    case Q4_K: return blocks([](const uint8_t* b, auto& e) { q4_k(b, e); });
+    case Q6_K: return blocks([](const uint8_t* b, auto& e) { q6_k(b, e); });
+  }
+}
+
+inline float sum_of(__m256 v) {
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+// Weight rows [n0, n1) against MR input rows: each weight row decoded once, in registers. Two
+// accumulators an input row (alternate vectors of eight) so that consecutive FMAs do not wait
+// on each other.
+template <int MR>
+void rows_in_registers(int64_t type, const float* x, const uint8_t* blocks, int64_t row_bytes,
+                       float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[MR][2];
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    const auto multiply = [&](int64_t k, __m256 w) {
+      const int64_t half = (k >> 3) & 1;
+      for (int m = 0; m < MR; ++m)
+        acc[m][half] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + k), acc[m][half]);
+    };
+    decode_row_with(type, blocks + n * row_bytes, K, multiply);
+    for (int m = 0; m < MR; ++m) y[m * N + n] = sum_of(_mm256_add_ps(acc[m][0], acc[m][1]));
+  }
+}
+
+}  // namespace
+
+bool avx2_decodes(int64_t type) {
+  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
+}
+
+void avx2_decode_row(int64_t type, const uint8_t* row, float* out, int64_t K) {
+  const auto store = [out](int64_t k, __m256 v) { _mm256_storeu_ps(out + k, v); };
+  decode_row_with(type, row, K, store);
+}
+
+at::Tensor avx2_few_rows_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
+  constexpr int64_t ROWS_PER_TASK = 4;
+  const int64_t M = x.size(0), N = blocks.size(0), K = x.size(1), row_bytes = blocks.size(1);
+  TORCH_CHECK(M <= AVX2_MAX_ROWS && x.scalar_type() == at::kFloat && avx2_decodes(type),
+              "avx2_few_rows_linear: up to ", AVX2_MAX_ROWS, " fp32 rows of a vector format");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK, 1, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * ROWS_PER_TASK, n1 = std::min(N, t1 * ROWS_PER_TASK);
+    switch (M) {
+      case 1: return rows_in_registers<1>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
+      case 2: return rows_in_registers<2>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
+      case 3: return rows_in_registers<3>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
+      default: return rows_in_registers<4>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
+    }
+  });
+  return y;
+}
+
+}  // namespace braid_ggml
+#endif  // BRAID_GGML_AVX2
