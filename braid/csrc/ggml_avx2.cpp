@@ -1,15 +1,17 @@
 // GGML blocks on CPUs with AVX2 and FMA but no AVX-512 (ggml_blocks.cpp's vector decoders need
 // AVX-512): the formats of llama.cpp's usual files (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) decoded eight
 // weights at a time into one fp32 vector, with the same operations in the same order as the
-// `gguf` package's `dequantize`, so the same values. Decode GEMMs of up to four fp32 rows
-// multiply each decoded vector in registers, so memory carries the blocks' bytes only; larger
-// GEMMs and `ggml_dequantize` store the decoded rows (ggml_blocks.cpp).
+// `gguf` package's `dequantize`, so the same values. fp32 GEMMs of up to four rows multiply
+// each decoded vector in registers, so memory carries the blocks' bytes only; up to `few_rows`
+// rows decode each weight row once into a cache-resident tile; larger GEMMs and
+// `ggml_dequantize` decode chunks of rows (ggml_blocks.cpp).
 #include "ggml_format.h"
 
 #if defined(BRAID_GGML_AVX2)
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace braid_ggml {
 namespace {
@@ -24,27 +26,29 @@ inline __m256 as_float(__m256i v) { return _mm256_cvtepi32_ps(v); }
 inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi32(15)); }
 inline __m256i high_nibbles(__m256i v) { return _mm256_srli_epi32(v, 4); }
 
-// Each decoder hands its block's weights to `emit(k, v)`: elements [k, k + 8) of the block.
+// Each decoder hands its block's weights to `emit(k, v)`: elements [k, k + 8) of the block, k
+// increasing (the order `RowSums` adds them in).
 
 template <typename Emit>
 void q4_0(const uint8_t* b, Emit& emit) {  // (q - 8) d
   const __m256 d = _mm256_set1_ps(half_at(b));
-  const __m256i eight = _mm256_set1_epi32(8);
-  for (int h = 0; h < 2; ++h) {
-    const __m256i q = bytes8(b + 2 + 8 * h);
-    emit(8 * h, _mm256_mul_ps(d, as_float(_mm256_sub_epi32(low_nibbles(q), eight))));
-    emit(16 + 8 * h, _mm256_mul_ps(d, as_float(_mm256_sub_epi32(high_nibbles(q), eight))));
-  }
+  const __m256i eight = _mm256_set1_epi32(8), q[2] = {bytes8(b + 2), bytes8(b + 10)};
+  const auto value = [&](__m256i v) { return _mm256_mul_ps(d, as_float(_mm256_sub_epi32(v, eight))); };
+  emit(0, value(low_nibbles(q[0])));
+  emit(8, value(low_nibbles(q[1])));
+  emit(16, value(high_nibbles(q[0])));
+  emit(24, value(high_nibbles(q[1])));
 }
 
 template <typename Emit>
 void q4_1(const uint8_t* b, Emit& emit) {  // q d + m
   const __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
-  for (int h = 0; h < 2; ++h) {
-    const __m256i q = bytes8(b + 4 + 8 * h);
-    emit(8 * h, _mm256_add_ps(_mm256_mul_ps(d, as_float(low_nibbles(q))), m));
-    emit(16 + 8 * h, _mm256_add_ps(_mm256_mul_ps(d, as_float(high_nibbles(q))), m));
-  }
+  const __m256i q[2] = {bytes8(b + 4), bytes8(b + 12)};
+  const auto value = [&](__m256i v) { return _mm256_add_ps(_mm256_mul_ps(d, as_float(v)), m); };
+  emit(0, value(low_nibbles(q[0])));
+  emit(8, value(low_nibbles(q[1])));
+  emit(16, value(high_nibbles(q[0])));
+  emit(24, value(high_nibbles(q[1])));
 }
 
 template <typename Emit>
@@ -77,24 +81,19 @@ void q6_k(const uint8_t* b, Emit& emit) {  // (d scale) (q - 32), a scale per 16
   const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
   const __m256i fifteen = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
   const __m256i bias = _mm256_set1_epi32(32);
-  for (int h = 0; h < 2; ++h) {
+  for (int h = 0; h < 2; ++h) {  // 128 weights: quarter j's low 4 bits from ql, high 2 from qh
     const uint8_t* ql = b + 64 * h;
     const uint8_t* qh = b + 128 + 32 * h;
     const int8_t* sc = scales + 8 * h;
-    for (int l = 0; l < 32; l += 8) {
-      const __m256i a = bytes8(ql + l), c = bytes8(ql + l + 32), hi = bytes8(qh + l);
-      const auto high = [&](int shift) {
-        return _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, shift), three), 4);
-      };
-      const __m256i quants[4] = {
-          _mm256_or_si256(_mm256_and_si256(a, fifteen), high(0)),
-          _mm256_or_si256(_mm256_and_si256(c, fifteen), high(2)),
-          _mm256_or_si256(_mm256_srli_epi32(a, 4), high(4)),
-          _mm256_or_si256(_mm256_srli_epi32(c, 4), high(6))};
-      for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* low = ql + 32 * (j % 2);
+      for (int l = 0; l < 32; l += 8) {
+        const __m256i bits = bytes8(low + l);
+        const __m256i four = j < 2 ? _mm256_and_si256(bits, fifteen) : _mm256_srli_epi32(bits, 4);
+        const __m256i two = _mm256_and_si256(_mm256_srli_epi32(bytes8(qh + l), 2 * j), three);
+        const __m256i q = _mm256_or_si256(four, _mm256_slli_epi32(two, 4));
         const __m256 step = _mm256_set1_ps(d * float(sc[l / 16 + 2 * j]));
-        emit(128 * h + 32 * j + l,
-             _mm256_mul_ps(step, as_float(_mm256_sub_epi32(quants[j], bias))));
+        emit(128 * h + 32 * j + l, _mm256_mul_ps(step, as_float(_mm256_sub_epi32(q, bias))));
       }
     }
   }
@@ -125,22 +124,64 @@ inline float sum_of(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
-// Weight rows [n0, n1) against MR input rows: each weight row decoded once, in registers. Two
-// accumulators an input row (alternate vectors of eight) so that consecutive FMAs do not wait
-// on each other.
+// The sums of MR input rows against one weight row, added eight weights at a time in the row's
+// order, with two accumulators an input row (alternate vectors: consecutive FMAs do not wait on
+// each other). Both paths below add this way, so a row's result does not depend on how many
+// rows share the GEMM (a step's row count does not change a sequence's tokens).
+template <int MR>
+struct RowSums {
+  __m256 acc[MR][2];
+
+  RowSums() {
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  }
+  void add(const float* x, int64_t K, int64_t k, __m256 w) {
+    const int64_t half = (k >> 3) & 1;
+    for (int m = 0; m < MR; ++m)
+      acc[m][half] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + k), acc[m][half]);
+  }
+  void store(float* y, int64_t N) const {
+    for (int m = 0; m < MR; ++m) y[m * N] = sum_of(_mm256_add_ps(acc[m][0], acc[m][1]));
+  }
+};
+
+// Weight rows [n0, n1) against MR input rows, each weight row decoded in registers (memory
+// carries the blocks' bytes only).
 template <int MR>
 void rows_in_registers(int64_t type, const float* x, const uint8_t* blocks, int64_t row_bytes,
                        float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[MR][2];
-    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    const auto multiply = [&](int64_t k, __m256 w) {
-      const int64_t half = (k >> 3) & 1;
-      for (int m = 0; m < MR; ++m)
-        acc[m][half] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + k), acc[m][half]);
-    };
+    RowSums<MR> sums;
+    const auto multiply = [&](int64_t k, __m256 w) { sums.add(x, K, k, w); };
     decode_row_with(type, blocks + n * row_bytes, K, multiply);
-    for (int m = 0; m < MR; ++m) y[m * N + n] = sum_of(_mm256_add_ps(acc[m][0], acc[m][1]));
+    sums.store(y + n, N);
+  }
+}
+
+template <int MR>
+void rows_from_tile(const float* x, const float* tile, float* y, int64_t N, int64_t K) {
+  RowSums<MR> sums;
+  for (int64_t k = 0; k < K; k += 8) sums.add(x, K, k, _mm256_loadu_ps(tile + k));
+  sums.store(y, N);
+}
+
+// Weight rows [n0, n1) against M input rows: each weight row decoded once into `tile` (K
+// floats, cache-resident), then multiplied with every group of up to four input rows.
+void rows_through_tile(int64_t type, const float* x, int64_t M, const uint8_t* blocks,
+                       int64_t row_bytes, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1,
+                       float* tile) {
+  for (int64_t n = n0; n < n1; ++n) {
+    avx2_decode_row(type, blocks + n * row_bytes, tile, K);
+    for (int64_t m = 0; m < M; m += 4) {
+      const float* xm = x + m * K;
+      float* ym = y + m * N + n;
+      switch (std::min<int64_t>(M - m, 4)) {
+        case 1: rows_from_tile<1>(xm, tile, ym, N, K); break;
+        case 2: rows_from_tile<2>(xm, tile, ym, N, K); break;
+        case 3: rows_from_tile<3>(xm, tile, ym, N, K); break;
+        default: rows_from_tile<4>(xm, tile, ym, N, K); break;
+      }
+    }
   }
 }
 
@@ -158,8 +199,8 @@ void avx2_decode_row(int64_t type, const uint8_t* row, float* out, int64_t K) {
 at::Tensor avx2_few_rows_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
   constexpr int64_t ROWS_PER_TASK = 4;
   const int64_t M = x.size(0), N = blocks.size(0), K = x.size(1), row_bytes = blocks.size(1);
-  TORCH_CHECK(M <= AVX2_MAX_ROWS && x.scalar_type() == at::kFloat && avx2_decodes(type),
-              "avx2_few_rows_linear: up to ", AVX2_MAX_ROWS, " fp32 rows of a vector format");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && avx2_decodes(type),
+              "avx2_few_rows_linear: fp32 inputs over blocks of a vector format");
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = xc.data_ptr<float>();
@@ -171,8 +212,10 @@ at::Tensor avx2_few_rows_linear(const at::Tensor& x, const at::Tensor& blocks, i
       case 1: return rows_in_registers<1>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
       case 2: return rows_in_registers<2>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
       case 3: return rows_in_registers<3>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
-      default: return rows_in_registers<4>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
+      case 4: return rows_in_registers<4>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
     }
+    std::vector<float> tile(K);
+    rows_through_tile(type, xp, M, bp, row_bytes, yp, N, K, n0, n1, tile.data());
   });
   return y;
 }

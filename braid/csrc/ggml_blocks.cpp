@@ -11,8 +11,8 @@
 // Larger GEMMs (prefill) decode a chunk of rows at a time and hand it to ATen's GEMM, whose
 // cost grows with the rows while the decoding's does not. In bf16, Q4_K, Q6_K and Q8_0 at up
 // to `few_rows` rows go to ggml_int8.cpp's integer arithmetic instead (llama.cpp's). CPUs with
-// AVX2 but no AVX-512 decode with ggml_avx2.cpp's 256-bit decoders (fp32, up to four rows in
-// registers).
+// AVX2 but no AVX-512 decode with ggml_avx2.cpp's 256-bit decoders (fp32: up to four rows in
+// registers, up to `few_rows` over a decoded row).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -492,8 +492,7 @@ at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
   }
 #endif
 #if defined(BRAID_GGML_AVX2)
-  if (M <= std::min(few_rows, AVX2_MAX_ROWS) && x.scalar_type() == at::kFloat &&
-      avx2_decodes(type))
+  if (M <= few_rows && x.scalar_type() == at::kFloat && avx2_decodes(type))
     return avx2_few_rows_linear(x, blocks, type);
 #endif
   at::Tensor y = at::empty({M, N}, x.options());
