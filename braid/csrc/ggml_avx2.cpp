@@ -3,7 +3,7 @@
 // weights at a time into one fp32 vector, with the same operations in the same order as the
 // `gguf` package's `dequantize`, so the same values. fp32 GEMMs of up to four rows multiply
 // each decoded vector in registers, so memory carries the blocks' bytes only; up to `few_rows`
-// rows decode each weight row once into a cache-resident tile; larger GEMMs and
+// rows decode four weight rows at a time once into a cache-resident tile; larger GEMMs and
 // `ggml_dequantize` decode chunks of rows (ggml_blocks.cpp).
 #include "ggml_format.h"
 
@@ -26,18 +26,18 @@ inline __m256 as_float(__m256i v) { return _mm256_cvtepi32_ps(v); }
 inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi32(15)); }
 inline __m256i high_nibbles(__m256i v) { return _mm256_srli_epi32(v, 4); }
 
-// Each decoder hands its block's weights to `emit(k, v)`: elements [k, k + 8) of the block, k
-// increasing (the order `RowSums` adds them in).
+// Each decoder hands its block's weights to `emit(k, a, b)`: elements [k, k + 8) and
+// [k + 8, k + 16) of the block, k increasing (the order `RowSums` adds them in).
 
 template <typename Emit>
 void q4_0(const uint8_t* b, Emit& emit) {  // (q - 8) d
   const __m256 d = _mm256_set1_ps(half_at(b));
   const __m256i eight = _mm256_set1_epi32(8), q[2] = {bytes8(b + 2), bytes8(b + 10)};
-  const auto value = [&](__m256i v) { return _mm256_mul_ps(d, as_float(_mm256_sub_epi32(v, eight))); };
-  emit(0, value(low_nibbles(q[0])));
-  emit(8, value(low_nibbles(q[1])));
-  emit(16, value(high_nibbles(q[0])));
-  emit(24, value(high_nibbles(q[1])));
+  const auto value = [&](__m256i v) {
+    return _mm256_mul_ps(d, as_float(_mm256_sub_epi32(v, eight)));
+  };
+  emit(0, value(low_nibbles(q[0])), value(low_nibbles(q[1])));
+  emit(16, value(high_nibbles(q[0])), value(high_nibbles(q[1])));
 }
 
 template <typename Emit>
@@ -45,16 +45,16 @@ void q4_1(const uint8_t* b, Emit& emit) {  // q d + m
   const __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
   const __m256i q[2] = {bytes8(b + 4), bytes8(b + 12)};
   const auto value = [&](__m256i v) { return _mm256_add_ps(_mm256_mul_ps(d, as_float(v)), m); };
-  emit(0, value(low_nibbles(q[0])));
-  emit(8, value(low_nibbles(q[1])));
-  emit(16, value(high_nibbles(q[0])));
-  emit(24, value(high_nibbles(q[1])));
+  emit(0, value(low_nibbles(q[0])), value(low_nibbles(q[1])));
+  emit(16, value(high_nibbles(q[0])), value(high_nibbles(q[1])));
 }
 
 template <typename Emit>
 void q8_0(const uint8_t* b, Emit& emit) {  // q d
   const __m256 d = _mm256_set1_ps(half_at(b));
-  for (int k = 0; k < 32; k += 8) emit(k, _mm256_mul_ps(d, as_float(signed_bytes8(b + 2 + k))));
+  const auto value = [&](int k) { return _mm256_mul_ps(d, as_float(signed_bytes8(b + 2 + k))); };
+  emit(0, value(0), value(8));
+  emit(16, value(16), value(24));
 }
 
 template <typename Emit>
@@ -68,10 +68,12 @@ void q4_k(const uint8_t* b, Emit& emit) {  // sub-block i of 32: (d scale_i) q -
   for (int i = 0; i < 8; ++i) {  // 32 bytes serve sub-blocks 2c (low nibbles) and 2c + 1
     const uint8_t* q = b + 16 + 32 * (i / 2);
     const __m256 step = _mm256_set1_ps(steps[i]), offset = _mm256_set1_ps(offsets[i]);
-    for (int l = 0; l < 32; l += 8) {
+    const auto value = [&](int l) {
       const __m256i v = i % 2 ? high_nibbles(bytes8(q + l)) : low_nibbles(bytes8(q + l));
-      emit(32 * i + l, _mm256_sub_ps(_mm256_mul_ps(step, as_float(v)), offset));
-    }
+      return _mm256_sub_ps(_mm256_mul_ps(step, as_float(v)), offset);
+    };
+    emit(32 * i, value(0), value(8));
+    emit(32 * i + 16, value(16), value(24));
   }
 }
 
@@ -87,25 +89,28 @@ void q6_k(const uint8_t* b, Emit& emit) {  // (d scale) (q - 32), a scale per 16
     const int8_t* sc = scales + 8 * h;
     for (int j = 0; j < 4; ++j) {
       const uint8_t* low = ql + 32 * (j % 2);
-      for (int l = 0; l < 32; l += 8) {
+      const auto value = [&](int l) {
         const __m256i bits = bytes8(low + l);
         const __m256i four = j < 2 ? _mm256_and_si256(bits, fifteen) : _mm256_srli_epi32(bits, 4);
         const __m256i two = _mm256_and_si256(_mm256_srli_epi32(bytes8(qh + l), 2 * j), three);
-        const __m256i q = _mm256_or_si256(four, _mm256_slli_epi32(two, 4));
+        return _mm256_sub_epi32(_mm256_or_si256(four, _mm256_slli_epi32(two, 4)), bias);
+      };
+      for (int l = 0; l < 32; l += 16) {  // a scale per 16 weights
         const __m256 step = _mm256_set1_ps(d * float(sc[l / 16 + 2 * j]));
-        emit(128 * h + 32 * j + l, _mm256_mul_ps(step, as_float(_mm256_sub_epi32(q, bias))));
+        emit(128 * h + 32 * j + l, _mm256_mul_ps(step, as_float(value(l))),
+             _mm256_mul_ps(step, as_float(value(l + 8))));
       }
     }
   }
 }
 
-// Every block of a weight row, in order, through `emit(k, v)` (k: the row's element).
+// Every block of a weight row, in order, through `emit(k, a, b)` (k: the row's element).
 template <typename Emit>
 void decode_row_with(int64_t type, const uint8_t* row, int64_t K, Emit& emit) {
   const Format f = format_of(type);
   const auto blocks = [&](auto decode_block) {
     for (int64_t i = 0; i < K / f.elements; ++i) {
-      const auto shifted = [&](int64_t k, __m256 v) { emit(i * f.elements + k, v); };
+      const auto shifted = [&](int64_t k, __m256 a, __m256 b) { emit(i * f.elements + k, a, b); };
       decode_block(row + i * f.bytes, shifted);
     }
   };
@@ -124,10 +129,10 @@ inline float sum_of(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
-// The sums of MR input rows against one weight row, added eight weights at a time in the row's
-// order, with two accumulators an input row (alternate vectors: consecutive FMAs do not wait on
-// each other). Both paths below add this way, so a row's result does not depend on how many
-// rows share the GEMM (a step's row count does not change a sequence's tokens).
+// The sums of MR input rows against one weight row, added sixteen weights at a time in the
+// row's order, into two accumulators an input row (the two vectors of eight: consecutive FMAs
+// do not wait on each other). Both paths below add this way, so a row's result does not depend
+// on how many rows share the GEMM (a step's row count does not change a sequence's tokens).
 template <int MR>
 struct RowSums {
   __m256 acc[MR][2];
@@ -135,10 +140,11 @@ struct RowSums {
   RowSums() {
     for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   }
-  void add(const float* x, int64_t K, int64_t k, __m256 w) {
-    const int64_t half = (k >> 3) & 1;
-    for (int m = 0; m < MR; ++m)
-      acc[m][half] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + k), acc[m][half]);
+  void add(const float* x, int64_t K, int64_t k, __m256 a, __m256 b) {
+    for (int m = 0; m < MR; ++m) {
+      acc[m][0] = _mm256_fmadd_ps(a, _mm256_loadu_ps(x + m * K + k), acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(b, _mm256_loadu_ps(x + m * K + k + 8), acc[m][1]);
+    }
   }
   void store(float* y, int64_t N) const {
     for (int m = 0; m < MR; ++m) y[m * N] = sum_of(_mm256_add_ps(acc[m][0], acc[m][1]));
@@ -152,34 +158,47 @@ void rows_in_registers(int64_t type, const float* x, const uint8_t* blocks, int6
                        float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     RowSums<MR> sums;
-    const auto multiply = [&](int64_t k, __m256 w) { sums.add(x, K, k, w); };
+    const auto multiply = [&](int64_t k, __m256 a, __m256 b) { sums.add(x, K, k, a, b); };
     decode_row_with(type, blocks + n * row_bytes, K, multiply);
     sums.store(y + n, N);
   }
 }
 
-template <int MR>
-void rows_from_tile(const float* x, const float* tile, float* y, int64_t N, int64_t K) {
-  RowSums<MR> sums;
-  for (int64_t k = 0; k < K; k += 8) sums.add(x, K, k, _mm256_loadu_ps(tile + k));
-  sums.store(y, N);
+// NR weight rows decoded in `tile` (NR x K) against one input row, each sum added as `RowSums`
+// adds it; the input is read once for all NR rows.
+template <int NR>
+void row_against_tile(const float* x, const float* tile, float* y, int64_t K) {
+  __m256 acc[NR][2];
+  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m256 low = _mm256_loadu_ps(x + k), high = _mm256_loadu_ps(x + k + 8);
+    for (int r = 0; r < NR; ++r) {
+      acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(tile + r * K + k), low, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(tile + r * K + k + 8), high, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) y[r] = sum_of(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
-// Weight rows [n0, n1) against M input rows: each weight row decoded once into `tile` (K
-// floats, cache-resident), then multiplied with every group of up to four input rows.
+// Weight rows [n0, n1) against M input rows: TILE_ROWS weight rows at a time decoded once into
+// `tile` (TILE_ROWS x K floats, cache-resident), then multiplied with every input row.
+constexpr int64_t TILE_ROWS = 4;
+
 void rows_through_tile(int64_t type, const float* x, int64_t M, const uint8_t* blocks,
                        int64_t row_bytes, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1,
                        float* tile) {
-  for (int64_t n = n0; n < n1; ++n) {
-    avx2_decode_row(type, blocks + n * row_bytes, tile, K);
-    for (int64_t m = 0; m < M; m += 4) {
+  for (int64_t n = n0; n < n1; n += TILE_ROWS) {
+    const int64_t rows = std::min(TILE_ROWS, n1 - n);
+    for (int64_t r = 0; r < rows; ++r)
+      avx2_decode_row(type, blocks + (n + r) * row_bytes, tile + r * K, K);
+    for (int64_t m = 0; m < M; ++m) {
       const float* xm = x + m * K;
       float* ym = y + m * N + n;
-      switch (std::min<int64_t>(M - m, 4)) {
-        case 1: rows_from_tile<1>(xm, tile, ym, N, K); break;
-        case 2: rows_from_tile<2>(xm, tile, ym, N, K); break;
-        case 3: rows_from_tile<3>(xm, tile, ym, N, K); break;
-        default: rows_from_tile<4>(xm, tile, ym, N, K); break;
+      switch (rows) {
+        case 1: row_against_tile<1>(xm, tile, ym, K); break;
+        case 2: row_against_tile<2>(xm, tile, ym, K); break;
+        case 3: row_against_tile<3>(xm, tile, ym, K); break;
+        default: row_against_tile<4>(xm, tile, ym, K); break;
       }
     }
   }
@@ -192,12 +211,15 @@ bool avx2_decodes(int64_t type) {
 }
 
 void avx2_decode_row(int64_t type, const uint8_t* row, float* out, int64_t K) {
-  const auto store = [out](int64_t k, __m256 v) { _mm256_storeu_ps(out + k, v); };
+  const auto store = [out](int64_t k, __m256 a, __m256 b) {
+    _mm256_storeu_ps(out + k, a);
+    _mm256_storeu_ps(out + k + 8, b);
+  };
   decode_row_with(type, row, K, store);
 }
 
 at::Tensor avx2_few_rows_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
-  constexpr int64_t ROWS_PER_TASK = 4;
+  constexpr int64_t ROWS_PER_TASK = TILE_ROWS;
   const int64_t M = x.size(0), N = blocks.size(0), K = x.size(1), row_bytes = blocks.size(1);
   TORCH_CHECK(x.scalar_type() == at::kFloat && avx2_decodes(type),
               "avx2_few_rows_linear: fp32 inputs over blocks of a vector format");
@@ -214,7 +236,7 @@ at::Tensor avx2_few_rows_linear(const at::Tensor& x, const at::Tensor& blocks, i
       case 3: return rows_in_registers<3>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
       case 4: return rows_in_registers<4>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
     }
-    std::vector<float> tile(K);
+    std::vector<float> tile(TILE_ROWS * K);
     rows_through_tile(type, xp, M, bp, row_bytes, yp, N, K, n0, n1, tile.data());
   });
   return y;
