@@ -261,23 +261,34 @@ def test_config_variants_match_transformers(arch, changes, deepseek_folders, dee
         check_logits(llm.prompt_logits(deepseek_prompts), reference)
 
 
+# How far below transformers' best logit a token the int8 latent cache picks may be, where its
+# greedy tokens first leave transformers': the tiny random model's logits spread over about 5,
+# bf16 rounding alone moves them by up to 2.7, and int8 latents picked tokens 0.002-0.71 below
+INT8_LATENT_GAP = 1.0
+
+
 def test_an_int8_latent_cache_stays_close_to_transformers(deepseek_folders, deepseek_prompts,
                                                          deepseek_reference):
     """`--kv-cache-dtype int8` quantizes each latent row (one scale over its normalised KV and
     rotated key parts); prompts prefilled 16 tokens a step attend over the int8 latents of
     their prefix (expanded), decode steps over them absorbed. The tiny random model's logits
-    are nearly tied, so its greedy tokens part early under any rounding: the fp32 model with
-    int8 latents must keep transformers' tokens at least as long as the bf16 model with packed
-    weights does (measured 53 against 31 of 128). Which near tie bf16 rounding tips depends on
-    the GEMMs' summation order: with row-major weights (the default without AMX since packing
-    became AMX-only) the bf16 model kept 60, so the reference run pins packing."""
+    are nearly tied, so greedy tokens part early under any rounding (the int8 run kept 53 of
+    128 on two hosts; bf16 weights 31-60 by host): where the int8 run first leaves
+    transformers' tokens, the token it picks must be a near tie in transformers' own logits."""
+    from transformers import AutoModelForCausalLM
+
+    folder = deepseek_folders["deepseek_v3"]
     _, ref_greedy = deepseek_reference["deepseek_v3"]
-    agreed = {}
-    for dtype, kv_cache_dtype, packing in (("fp32", "int8", "auto"), ("bf16", "auto", "on")):
-        with LLM(deepseek_folders["deepseek_v3"], dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                 max_num_batched_tokens=16, weight_packing=packing) as llm:
-            tokens = greedy(llm, deepseek_prompts, GREEDY_STEPS)
-        agreed[kv_cache_dtype] = sum(
-            next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), len(ref))
-            for ours, ref in zip(tokens, ref_greedy))
-    assert agreed["int8"] >= agreed["auto"] > 0
+    with LLM(folder, dtype="fp32", kv_cache_dtype="int8", max_num_batched_tokens=16) as llm:
+        tokens = greedy(llm, deepseek_prompts, GREEDY_STEPS)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    kept = 0
+    for prompt, ours, ref in zip(deepseek_prompts, tokens, ref_greedy):
+        i = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), len(ref))
+        kept += i
+        if i < len(ref):
+            with torch.inference_mode():
+                logits = model(torch.tensor([prompt + ref[:i]])).logits[0, -1]
+            gap = float(logits.max() - logits[ours[i]])
+            assert gap <= INT8_LATENT_GAP, f"token {i}: {gap:.3f} below transformers' best"
+    assert kept >= GREEDY_STEPS  # a quarter of the tokens at least
