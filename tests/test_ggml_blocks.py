@@ -123,9 +123,9 @@ def test_a_few_rows_over_blocks_do_not_depend_on_the_row_count(kind, dtype):
     VNNI) give each row the bits it has alone; the decoded paths (in registers up to four rows,
     in tiles beyond; Q5_K by the scalar decoder) the few-row kernel's bits over the dequantized
     weight, so the file's format does not change tokens either. Without AVX-512, the AVX2
-    kernels (fp32; not Q5_K) give each row the bits it has alone."""
+    kernels (fp32) give each row the bits it has alone."""
     few_rows_kernel = decode_kernel.few_rows_fits(torch.empty(1, 512, dtype=dtype))
-    avx2 = not few_rows_kernel and decode_kernel.block_kernels_serve(dtype) and kind != Q.Q5_K
+    avx2 = not few_rows_kernel and decode_kernel.block_kernels_serve(dtype)
     if not (few_rows_kernel or avx2):
         pytest.skip("no few-row kernel over these blocks on this CPU")
     rows, columns = 70, 512

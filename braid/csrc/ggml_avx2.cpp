@@ -1,5 +1,5 @@
 // GGML blocks on CPUs with AVX2 and FMA but no AVX-512 (ggml_blocks.cpp's vector decoders need
-// AVX-512): the formats of llama.cpp's usual files (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) decoded eight
+// AVX-512): every format braid keeps (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) decoded eight
 // weights at a time into one fp32 vector, with the same operations in the same order as the
 // `gguf` package's `dequantize`, so the same values. fp32 GEMMs of up to four rows multiply
 // each decoded vector in registers, so memory carries the blocks' bytes only; up to `few_rows`
@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 namespace braid_ggml {
@@ -50,6 +51,25 @@ void q4_1(const uint8_t* b, Emit& emit) {  // q d + m
 }
 
 template <typename Emit>
+void q5_0(const uint8_t* b, Emit& emit) {  // fifth bit j of weight j in a 32-bit word: (q - 16) d
+  const __m256 d = _mm256_set1_ps(half_at(b));
+  uint32_t qh;
+  std::memcpy(&qh, b + 2, sizeof qh);
+  const __m256i sixteen = _mm256_set1_epi32(16), one = _mm256_set1_epi32(1);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i q[2] = {bytes8(b + 6), bytes8(b + 14)};
+  const auto value = [&](__m256i low, int k) {  // weights k..k+7
+    const __m256i shifts = _mm256_add_epi32(lanes, _mm256_set1_epi32(k));
+    const __m256i bits = _mm256_srlv_epi32(_mm256_set1_epi32(int(qh)), shifts);
+    const __m256i fifth = _mm256_and_si256(bits, one);
+    const __m256i v = _mm256_or_si256(low, _mm256_slli_epi32(fifth, 4));
+    return _mm256_mul_ps(d, as_float(_mm256_sub_epi32(v, sixteen)));
+  };
+  emit(0, value(low_nibbles(q[0]), 0), value(low_nibbles(q[1]), 8));
+  emit(16, value(high_nibbles(q[0]), 16), value(high_nibbles(q[1]), 24));
+}
+
+template <typename Emit>
 void q8_0(const uint8_t* b, Emit& emit) {  // q d
   const __m256 d = _mm256_set1_ps(half_at(b));
   const auto value = [&](int k) { return _mm256_mul_ps(d, as_float(signed_bytes8(b + 2 + k))); };
@@ -57,19 +77,28 @@ void q8_0(const uint8_t* b, Emit& emit) {  // q d
   emit(16, value(16), value(24));
 }
 
-template <typename Emit>
-void q4_k(const uint8_t* b, Emit& emit) {  // sub-block i of 32: (d scale_i) q - (dmin min_i)
+// Q4_K and Q5_K: sub-block i of 32 is (d scale_i) q - (dmin min_i); Q5_K's fifth bit of
+// sub-block i is bit i of qh[l].
+template <bool FIFTH_BIT, typename Emit>
+void k_quant(const uint8_t* b, Emit& emit) {
   alignas(16) uint8_t unpacked[16];
   unpack_scales_k4(b + 4, unpacked);
   const __m256 d = _mm256_set1_ps(half_at(b)), dmin = _mm256_set1_ps(half_at(b + 2));
   alignas(32) float steps[8], offsets[8];
   _mm256_store_ps(steps, _mm256_mul_ps(d, as_float(bytes8(unpacked))));
   _mm256_store_ps(offsets, _mm256_mul_ps(dmin, as_float(bytes8(unpacked + 8))));
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + (FIFTH_BIT ? 48 : 16);
+  const __m256i one = _mm256_set1_epi32(1);
   for (int i = 0; i < 8; ++i) {  // 32 bytes serve sub-blocks 2c (low nibbles) and 2c + 1
-    const uint8_t* q = b + 16 + 32 * (i / 2);
+    const uint8_t* q = qs + 32 * (i / 2);
     const __m256 step = _mm256_set1_ps(steps[i]), offset = _mm256_set1_ps(offsets[i]);
     const auto value = [&](int l) {
-      const __m256i v = i % 2 ? high_nibbles(bytes8(q + l)) : low_nibbles(bytes8(q + l));
+      __m256i v = i % 2 ? high_nibbles(bytes8(q + l)) : low_nibbles(bytes8(q + l));
+      if (FIFTH_BIT) {
+        const __m256i fifth = _mm256_and_si256(_mm256_srli_epi32(bytes8(qh + l), i), one);
+        v = _mm256_or_si256(v, _mm256_slli_epi32(fifth, 4));
+      }
       return _mm256_sub_ps(_mm256_mul_ps(step, as_float(v)), offset);
     };
     emit(32 * i, value(0), value(8));
@@ -117,8 +146,10 @@ void decode_row_with(int64_t type, const uint8_t* row, int64_t K, Emit& emit) {
   switch (type) {
     case Q4_0: return blocks([](const uint8_t* b, auto& e) { q4_0(b, e); });
     case Q4_1: return blocks([](const uint8_t* b, auto& e) { q4_1(b, e); });
+    case Q5_0: return blocks([](const uint8_t* b, auto& e) { q5_0(b, e); });
     case Q8_0: return blocks([](const uint8_t* b, auto& e) { q8_0(b, e); });
-    case Q4_K: return blocks([](const uint8_t* b, auto& e) { q4_k(b, e); });
+    case Q4_K: return blocks([](const uint8_t* b, auto& e) { k_quant<false>(b, e); });
+    case Q5_K: return blocks([](const uint8_t* b, auto& e) { k_quant<true>(b, e); });
     case Q6_K: return blocks([](const uint8_t* b, auto& e) { q6_k(b, e); });
   }
 }
@@ -207,7 +238,10 @@ void rows_through_tile(int64_t type, const float* x, int64_t M, const uint8_t* b
 }  // namespace
 
 bool avx2_decodes(int64_t type) {
-  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
+  switch (type) {
+    case Q4_0: case Q4_1: case Q5_0: case Q8_0: case Q4_K: case Q5_K: case Q6_K: return true;
+  }
+  return false;
 }
 
 void avx2_decode_row(int64_t type, const uint8_t* row, float* out, int64_t K) {
