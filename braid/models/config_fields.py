@@ -165,6 +165,7 @@ COMMON_RULES = dict(rope_parameters=ROPE, rope_scaling=ROPE, hidden_act=SILU)
 # Mixture-of-experts training settings: the auxiliary load-balancing loss and its logits.
 ROUTER_TRAINING = ("output_router_logits", "router_aux_loss_coef")
 
+
 def _check_quantization(architecture: str, field: str, value: Any) -> None:
     """AWQ's "gemm" layout at 4 bits and GPTQ at 4 or 8 bits (`braid.loader.awq_gptq`)."""
     if not value:
