@@ -112,10 +112,10 @@ def quantize_weight(w: torch.Tensor, method: str, bits: int, group: int, act_ord
     return pack_gptq(q, zeros, scales, bits, inverse // group), back
 
 
-def integer_weight(w, method, bits, group, act_order=False, keep_blocks=True):
+def integer_weight(w, method, bits, group, act_order=False):
     parts, back = quantize_weight(w, method, bits, group, act_order)
     scheme = IntegerWeights(method, bits, zero_offset=1 if method == "gptq" else 0)
-    weight = IntegerWeight({k: TensorWeight(v) for k, v in parts.items()}, scheme, keep_blocks)
+    weight = IntegerWeight({k: TensorWeight(v) for k, v in parts.items()}, scheme, True)
     return weight, back
 
 

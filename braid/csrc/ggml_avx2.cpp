@@ -237,13 +237,6 @@ void rows_through_tile(int64_t type, const float* x, int64_t M, const uint8_t* b
 
 }  // namespace
 
-bool avx2_decodes(int64_t type) {
-  switch (type) {
-    case Q4_0: case Q4_1: case Q5_0: case Q8_0: case Q4_K: case Q5_K: case Q6_K: return true;
-  }
-  return false;
-}
-
 void avx2_decode_row(int64_t type, const uint8_t* row, float* out, int64_t K) {
   const auto store = [out](int64_t k, __m256 a, __m256 b) {
     _mm256_storeu_ps(out + k, a);
@@ -255,8 +248,7 @@ void avx2_decode_row(int64_t type, const uint8_t* row, float* out, int64_t K) {
 at::Tensor avx2_few_rows_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
   constexpr int64_t ROWS_PER_TASK = TILE_ROWS;
   const int64_t M = x.size(0), N = blocks.size(0), K = x.size(1), row_bytes = blocks.size(1);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && avx2_decodes(type),
-              "avx2_few_rows_linear: fp32 inputs over blocks of a vector format");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "avx2_few_rows_linear: fp32 inputs");
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = xc.data_ptr<float>();

@@ -164,13 +164,10 @@ void decode_rows(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t
     T* dst = out + (n - n0) * K;
     float* values = std::is_same_v<T, float> ? reinterpret_cast<float*>(dst) : scratch;
 #if defined(BRAID_GGML_AVX2)
-    if (avx2_decodes(type)) {
-      avx2_decode_row(type, blocks + n * row_bytes, values, K);
-      narrow_to(values, dst, K);
-      continue;
-    }
-#endif
+    avx2_decode_row(type, blocks + n * row_bytes, values, K);
+#else
     decode_row(type, blocks + n * row_bytes, values, K);
+#endif
     narrow_to(values, dst, K);
   }
 }
@@ -492,7 +489,7 @@ at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
   }
 #endif
 #if defined(BRAID_GGML_AVX2)
-  if (M <= few_rows && x.scalar_type() == at::kFloat && avx2_decodes(type))
+  if (M <= few_rows && x.scalar_type() == at::kFloat)
     return avx2_few_rows_linear(x, blocks, type);
 #endif
   at::Tensor y = at::empty({M, N}, x.options());

@@ -59,12 +59,10 @@ inline void unpack_scales_k4(const uint8_t* packed, uint8_t out[16]) {
 // (ggml_avx2.cpp); AVX-512 ones with ggml_blocks.cpp's own decoders.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 #define BRAID_GGML_AVX2 1
-// Whether ggml_avx2.cpp decodes blocks of `type`.
-bool avx2_decodes(int64_t type);
-// A weight row of K weights in blocks of `type` (one `avx2_decodes`) into out[0, K) as fp32.
+// A weight row of K weights in blocks of `type` into out[0, K) as fp32.
 void avx2_decode_row(int64_t type, const uint8_t* row, float* out, int64_t K);
 // x [M, K] (fp32, a few rows: each weight row is decoded once per call) @ W^T over W's blocks
-// of `type` (one `avx2_decodes`).
+// of `type`.
 at::Tensor avx2_few_rows_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type);
 #endif
 
