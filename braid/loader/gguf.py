@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp's format) through the `gguf` package.
+"""GGUF files (llama.cpp's format): read by `braid.loader.gguf_file`, dequantized by the `gguf`
+package.
 
 `gguf_config` turns a file's metadata into the Hugging Face `config.json` dict of its family;
 `iterate_gguf` yields its tensors under Hugging Face names with what llama.cpp's converter did
@@ -17,10 +18,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, Keys, TokenType
+from gguf import GGMLQuantizationType, Keys, TokenType
 from gguf.quants import dequantize
 
 from braid.loader.gguf_families import config_dict, expert_name, family_of, tensor_names
+from braid.loader.gguf_file import GGUFFileIndex
 from braid.loader.model_config import ModelConfig
 from braid.loader.weights import LazyWeight, read_into
 
@@ -35,22 +37,17 @@ BLOCK_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantiz
 
 
 @lru_cache(maxsize=4)
-def _reader(path: str) -> GGUFReader:
-    return GGUFReader(path)
+def _reader(path: str) -> GGUFFileIndex:
+    return GGUFFileIndex(path)
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _metadata(reader: GGUFReader, path: str) -> tuple[Architecture, Callable]:
+def _metadata(reader: GGUFFileIndex, path: str) -> tuple[Architecture, Callable]:
     """The architecture that serves the file (its family's spec) and a reader of its metadata
     by `gguf.Keys` template."""
-    arch = _field(reader, Keys.General.ARCHITECTURE)
+    arch = reader.fields.get(Keys.General.ARCHITECTURE)
 
     def get(key: str, default=None):
-        return _field(reader, key.format(arch=arch), default)
+        return reader.fields.get(key.format(arch=arch), default)
 
     return family_of(arch, get, path), get
 
@@ -76,23 +73,19 @@ def gguf_config(path: str) -> dict:
 def gguf_control_tokens(path: str) -> dict[int, tuple[str, bool]]:
     """The file's control and user-defined tokens: id -> (text, whether it is special, i.e. a
     control token), as the tokenizer must keep them: whole, at their ids."""
-    reader = _reader(path)
-    tokens = reader.fields.get(Keys.Tokenizer.LIST)
-    kinds = reader.fields.get(Keys.Tokenizer.TOKEN_TYPE)
+    fields = _reader(path).fields
+    tokens = fields.get(Keys.Tokenizer.LIST)
+    kinds = fields.get(Keys.Tokenizer.TOKEN_TYPE)
     if tokens is None or kinds is None:
         return {}
-    kept = {}
-    for i, (token, kind) in enumerate(zip(tokens.data, kinds.data)):
-        kind = int(kinds.parts[kind][0])
-        if kind in (TokenType.CONTROL, TokenType.USER_DEFINED):
-            kept[i] = (bytes(tokens.parts[token]).decode(), kind == TokenType.CONTROL)
-    return kept
+    return {i: (token, kind == TokenType.CONTROL)
+            for i, (token, kind) in enumerate(zip(tokens, kinds))
+            if kind in (TokenType.CONTROL, TokenType.USER_DEFINED)}
 
 
 def gguf_pre_tokenizer(path: str) -> str | None:
     """The file's `tokenizer.ggml.pre`: llama.cpp's name for how text is split before BPE."""
-    field = _reader(path).fields.get(Keys.Tokenizer.PRE)
-    return None if field is None else bytes(field.parts[field.data[0]]).decode()
+    return _reader(path).fields.get(Keys.Tokenizer.PRE)
 
 
 def unpermute_rotary(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -173,9 +166,8 @@ def iterate_gguf(path: str, config: ModelConfig, keep_blocks: bool = False
     reports as unexpected.
     """
     # A reader of its own, whose metadata goes once the mapping is known: its fields hold the
-    # vocabulary as many small arrays (a quarter of a GiB for Llama 3's) that a rank would
-    # otherwise keep while it loads.
-    reader = GGUFReader(path)
+    # vocabulary, which a rank would otherwise keep while it loads.
+    reader = GGUFFileIndex(path)
     mapping = _metadata(reader, path)[0].gguf
     reader.fields.clear()
     names = tensor_names(mapping, config.num_layers)
