@@ -24,6 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from braid.compiler import configure_compiler
+
 COMPILED_MIN_TOKENS = 128  # measured crossover of a compiled call's overhead (see docstring)
 # The dtypes `decode_kernel`'s elementwise operators take
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -104,6 +106,7 @@ class _Kernels:
         if self.announce:
             print("braid: compiling fused elementwise kernels (torch.compile, once per "
                   "process; --compile off skips this)", file=sys.stderr, flush=True)
+        configure_compiler()
         try:
             compiled = {name: torch.compile(fn, dynamic=True)
                         for name, fn in _TO_COMPILE.items()}

@@ -40,25 +40,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch._inductor.config
 from torch import nn
 
 from braid.cache import cache_root, code_version
+from braid.compiler import configure_compiler
 from braid.config import EngineConfig
 from braid.layers.forward_batch import DECODE_MIN_BLOCKS, ForwardBatch
 from braid.overlap.operations import YIELD, execute, is_between_pieces, split_stages
 from braid.platform import isa_flags
 from braid.step import StepPlan
 
-# Set once in a rank process (`configure_compiler`), for every graph it compiles:
-# assert_indirect_indexing off: no bounds check per indexed load (token ids are checked when a
-# request is added; slots and block tables are the engine's own), a tenth of decode attention.
-_INDUCTOR = {"assert_indirect_indexing": False}
-# Floats a step reads (the norms' epsilon) are constants of the graph, not inputs made into
-# tensors on every call. Nothing a step varies is a float: sampling runs outside the graph.
-# A piece kind keeps a graph per row-count class, and a state that differs between layers'
-# pieces (the first layer's, the last's) adds one: more than dynamo's default of 8.
-_DYNAMO = {"specialize_float": True, "recompile_limit": 32, "accumulated_recompile_limit": 512}
 # The decode graph's kernels are called from generated C++, not Python (at batch 1 the Python
 # wrapper's calls cost more than the kernels they run), except where the graph holds
 # torch.distributed's functional collectives, which the C++ wrapper cannot call (their process
@@ -67,21 +58,6 @@ _DYNAMO = {"specialize_float": True, "recompile_limit": 32, "accumulated_recompi
 _CPP_WRAPPER = {"cpp_wrapper": True}
 # The rows the graph for several sequences is traced at: a typical decode batch.
 WARM_UP_ROWS = 16
-
-
-def configure_compiler(world_size: int = 1) -> None:
-    """The compiler settings of every graph braid compiles in this process (a rank's of
-    `world_size`). Inductor's compiled kernels are kept under braid's cache (beside the saved
-    graphs that name them) unless the user chose a folder. With several ranks each compiles
-    with one thread: inductor's pool of compile workers (one per core by default) held a third
-    of a GiB across a tp 2 launch, while the ranks, one per core, compile side by side anyway."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
-    for key, value in _INDUCTOR.items():
-        setattr(torch._inductor.config, key, value)
-    if world_size > 1:
-        torch._inductor.config.compile_threads = 1
-    for key, value in _DYNAMO.items():
-        setattr(torch._dynamo.config, key, value)
 
 
 def mark_static(model: nn.Module) -> None:
@@ -170,6 +146,7 @@ def _aot_compile(function: Callable, example: tuple, cpp_wrapper: bool) -> Calla
     called only for steps of its shape class (`CompiledDecodeStep.handles`) of the model it was
     traced on, and a guard on the model's objects could not be saved (the shm communicator
     holds its mapping)."""
+    configure_compiler()
     with torch._inductor.config.patch(_CPP_WRAPPER if cpp_wrapper else {}):
         compiler = torch.compile(function, fullgraph=True, dynamic=True,
                                  options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
@@ -194,6 +171,7 @@ def _load(path: Path, model: nn.Module) -> Callable | None:
     """The saved graph, or None (missing; damaged or from another torch: removed, recompiled)."""
     if not path.is_file():
         return None
+    configure_compiler()
     try:
         with open(path, "rb") as f:
             return torch.compiler.load_compiled_function(f, external_data={"model": model})
@@ -237,6 +215,7 @@ class CompiledPieces:
         modules = tuple(op.__self__ for op in run)
         runner = self._runners.get(functions)
         if runner is None:
+            configure_compiler()
             runner = self._runners[functions] = torch.compile(_piece_runner(functions),
                                                               dynamic=True)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from braid.compiler import configure_compiler
 from braid.config import EngineConfig
 from braid.distributed.comm import SwitchableCommunicator
 from braid.layers.forward_batch import ForwardBatch
@@ -29,7 +30,6 @@ from braid.trace import tracer
 from braid.worker.compiled_step import (
     CompiledDecodeStep,
     CompiledPieces,
-    configure_compiler,
     elapsed,
     graph_cache_key,
     mark_static,
@@ -145,7 +145,7 @@ class ModelRunner:
         # The graphs hold the real collectives whatever the last step skipped (--skip-comm): a
         # graph traced over the no-op ones would be saved and loaded by later launches.
         self.comm.skip = False
-        configure_compiler(self.comm.world_size)
+        configure_compiler()
         mark_static(self.model)
         decode = self._decode_step
         block_size = self.engine.kv_cache.block_size

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from multiprocessing.connection import Connection
 
+from braid.compiler import set_compiler_ranks
 from braid.config import EngineConfig
 from braid.distributed.comm import SwitchableCommunicator, TorchCommunicator
 from braid.distributed.shm import ShmCommunicator, ShmSegment
 from braid.loader.model_config import ModelConfig
 from braid.trace import enable_tracing
-from braid.worker.compiled_step import configure_compiler
 from braid.worker.model_runner import ModelRunner
 
 
@@ -33,7 +33,7 @@ def worker_main(rank: int, world_size: int, conn: Connection, engine: EngineConf
     """Rank entry point (`braid.distributed.ranks` runs it): every rank answers "ready" with its
     `RankReady`; rank 0 answers steps and "compile" (`ModelRunner.prepare_compiled`), which
     every rank runs at the same point."""
-    configure_compiler(world_size)
+    set_compiler_ranks(world_size)
     comm = make_communicator(engine, rank, world_size, segment)
     runner = ModelRunner(engine, config, comm)
     trace = enable_tracing(rank) if engine.trace else None
