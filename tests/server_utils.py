@@ -50,6 +50,15 @@ class ServerProcess:
         ranks and their compilers."""
         return session_processes(self.proc.pid)
 
+    def session_names(self) -> list[str]:
+        """"PID NAME" of each process of the session that still runs (a compiler that ends
+        while it is listed is left out)."""
+        names = []
+        for proc in self.session():
+            with contextlib.suppress(psutil.Error):
+                names.append(f"{proc.pid} {proc.name()}")
+        return names
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         """Signal the server and wait for it; kill it if it does not stop in time."""
         if self.proc.poll() is None:

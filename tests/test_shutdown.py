@@ -28,7 +28,7 @@ def stop_and_time(server: ServerProcess) -> float:
            and time.monotonic() - start < 2 * STOP_WITHIN_S):
         time.sleep(0.02)
     took = time.monotonic() - start
-    left = [f"{p.pid} {p.name()}" for p in server.session()]
+    left = server.session_names()
     assert not left, f"still running {took:.1f} s after SIGTERM: {left}\n{server.output()}"
     left_segments = [s for names in segments.values() for s in names if _exists(s)]
     assert not left_segments, left_segments
@@ -53,7 +53,8 @@ def test_sigterm_while_the_steps_compile_at_start(tiny_llama, tmp_path):
                           log_dir=tmp_path, env=cold)
     try:
         deadline = time.monotonic() + 240
-        while not any(p.name() in ("g++", "cc1plus") for p in server.session()):
+        while not any(name.split(" ", 1)[1] in ("g++", "cc1plus")
+                      for name in server.session_names()):
             assert server.proc.poll() is None, server.output()
             assert time.monotonic() < deadline, "no compiler ran:\n" + server.output()
             time.sleep(0.05)
