@@ -52,7 +52,12 @@ FUZZ_BUDGET_S = 24
 BOUNDARY_SHARE = 0.5
 GENERATING_SHARE = 4
 RANDOM_EXAMPLES = 100  # random cases per operation and generation mode (Hypothesis' max_examples)
-REQUEST_TIMEOUT_S = 15  # any answer slower than this, with the caps below, is a hang
+# An answer slower than REQUEST_TIMEOUT_S is asked for again once, with SLOW_TIMEOUT_S: the caps
+# below bound what a request generates, not its prompt, and a prompt of thousands of tokens (a
+# long random string) may take longer than REQUEST_TIMEOUT_S to prefill on a 2-core host in
+# fp32. No answer within SLOW_TIMEOUT_S is a hang.
+REQUEST_TIMEOUT_S = 15
+SLOW_TIMEOUT_S = 120
 # Generation is the only costly thing a request can ask for, so generated bodies ask for little:
 # `max_tokens` (and `max_completion_tokens`) above MAX_TOKENS become MAX_TOKENS and `n` above
 # MAX_N becomes MAX_N, and a request without a limit, or with a null one, gets MAX_TOKENS (the
@@ -168,6 +173,14 @@ def _server_exception(server, offset: int, text: str) -> str:
         time.sleep(0.1)
 
 
+def _usage(response) -> str:
+    """The token counts an answer reports (how long its prompt was), or its start."""
+    try:
+        return json.dumps(response.json()["usage"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]
+
+
 class Fuzzer:
     """Sends cases to the server one at a time and keeps every failure."""
 
@@ -177,6 +190,7 @@ class Fuzzer:
         self.sent = 0
         self.skipped = 0  # drawn past the budget, or after the server died
         self.unencodable = 0
+        self.slow: list[str] = []  # answers that took over REQUEST_TIMEOUT_S, and their prompts
         self.failures: list[Failure] = []
         self.statuses: Counter[tuple[str, str]] = Counter()  # (operation, status): answers
 
@@ -194,8 +208,15 @@ class Fuzzer:
             case.body = cheap(case.path, case.body)
         offset = self.server.log.stat().st_size
         try:
-            response = case.call(base_url=self.server.base_url, headers=AUTH,
-                                 timeout=REQUEST_TIMEOUT_S)
+            try:
+                response = case.call(base_url=self.server.base_url, headers=AUTH,
+                                     timeout=REQUEST_TIMEOUT_S)
+            except requests.exceptions.ReadTimeout:
+                start = time.monotonic()
+                response = case.call(base_url=self.server.base_url, headers=AUTH,
+                                     timeout=SLOW_TIMEOUT_S)
+                self.slow.append(f"{case.operation.label} {response.status_code} in "
+                                 f"{time.monotonic() - start:.0f} s: {_usage(response)}")
         except schemathesis.errors.SerializationNotPossible:
             self.unencodable += 1  # a media type schemathesis cannot encode: nothing sent
             return
@@ -310,6 +331,8 @@ def test_fuzz_never_a_server_error(server):
           f"{fuzzer.sent - boundary} random) in {elapsed:.0f} s; random phases cut short by "
           f"the {FUZZ_BUDGET_S} s budget: {fuzzer.skipped}, {fuzzer.unencodable} unencodable; "
           f"{len(fuzzer.failures)} 5xx or dropped ({len(distinct)} distinct)")
+    for slow in fuzzer.slow:
+        print(f"  asked again after {REQUEST_TIMEOUT_S} s without an answer: {slow}")
     for label in sorted({label for label, _ in fuzzer.statuses}):
         answers = sorted((status, n) for (op, status), n in fuzzer.statuses.items() if op == label)
         print(f"  {label}: " + ", ".join(f"{n}x {status}" for status, n in answers))
