@@ -4,7 +4,8 @@ The `gguf` package's `GGUFReader` makes numpy views of every item of every metad
 it parses, so a vocabulary of 49k tokens and as many merges took four seconds on a 2-core host:
 paid by the engine and by every rank at every launch. This reader walks the same header in a
 small fraction of that and gives the values as Python objects (what `ReaderField.contents()`
-gives) and each tensor's bytes as the same numpy view of the map as `GGUFReader` does.
+gives, except that an array of arrays stays nested) and each tensor's bytes as the same numpy
+view of the map as `GGUFReader` does.
 """
 
 from __future__ import annotations
