@@ -370,6 +370,7 @@ COMBINATIONS = 100  # examples, a tenth of a second each
 COMBINATION_MAX_TOKENS = 8
 
 
+@pytest.mark.slow  # make test: the fuzz above
 @hypothesis.settings(max_examples=COMBINATIONS, deadline=None, database=None,
                      phases=[Phase.generate], suppress_health_check=list(HealthCheck))
 @hypothesis.given(constraint=st.sampled_from(CONSTRAINTS),

@@ -229,7 +229,7 @@ def integer_checkpoints(safetensors_folder, hf_model, prompt_ids, tmp_path_facto
 
 @pytest.mark.skipif(not native.load(), reason="the blocks run on braid's C++ operators")
 @pytest.mark.parametrize("name,tp,overlap", [
-    ("awq", 2, "on"), slow("gptq4-act-order", 1, "off"), slow("awq", 3, "on"),
+    slow("awq", 2, "on"), slow("gptq4-act-order", 1, "off"), slow("awq", 3, "on"),
     slow("gptq8", 3, "on"), slow("gptq4-act-order", 2, "on")])
 def test_checkpoint_is_transformers_on_its_dequantized_weights(name, tp, overlap, prompt_ids,
                                                                integer_checkpoints):

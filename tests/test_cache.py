@@ -93,6 +93,7 @@ def test_an_unwritable_cache_falls_back_to_the_source(tmp_path, monkeypatch):
         assert squares(source, []) is None
 
 
+@pytest.mark.slow  # converts the embedded tokenizer again
 def test_cached_config_and_tokenizer_equal_the_converted_ones(cache_home, model_path):
     fresh_config = load_model_config(model_path, use_cache=False)
     assert load_model_config(model_path) == fresh_config  # builds

@@ -91,8 +91,8 @@ def test_more_ranks_than_cores_warns():
 
 
 @pytest.mark.parametrize("tp,constraint", [
-    (3, ["--regex", "[0-9]{3}-[a-z]{2,4}"]),
-    pytest.param(1, ["--json-schema", "SCHEMA"], marks=pytest.mark.slow),
+    pytest.param(3, ["--regex", "[0-9]{3}-[a-z]{2,4}"], marks=pytest.mark.slow),
+    (1, ["--json-schema", "SCHEMA"]),
 ])
 def test_generate_with_a_constraint(tp, constraint, tmp_path: Path):
     """--regex and --json-schema, at every tp (only rank 0 samples, so only it is sent the
@@ -217,6 +217,7 @@ def test_bench_overlap_modes_report_exposed_comm_and_crossover(tmp_path: Path):
     assert len(rows) == 4 and all("auto_over_best" in r for r in rows)
 
 
+@pytest.mark.slow  # a benchmark run of its own
 def test_bench_offline_runs_the_serving_requests(tmp_path: Path):
     out = tmp_path / "offline.jsonl"
     result = braid("bench-offline", "--tp", "2", "--num-prompts", "5", "--random-input-len", "20",

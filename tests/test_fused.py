@@ -21,6 +21,7 @@ def kernels():
         fused._kernels = saved
 
 
+@pytest.mark.slow  # compiles; make test's compiled steps: test_compiled_parity
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_kernels_equal_eager(kernels, dtype):
     # the compiled norm, as where the C++ one is not built (CUDA, fp16)

@@ -258,6 +258,7 @@ def test_an_unknown_gguf_architecture_names_the_supported_ones(tmp_path):
         load_model_config(str(path), use_cache=False)
 
 
+@pytest.mark.slow  # converts a tokenizer of its own
 def test_control_tokens_that_are_not_ascii_keep_their_ids(tiny_models, tmp_path):
     """DeepSeek-R1-Distill-Qwen's GGUF names its chat markers `<｜User｜>`...: transformers'
     conversion alone mangles such control tokens and appends the BOS and EOS past the

@@ -43,7 +43,7 @@ def test_safetensors_and_gguf_give_the_same_logits(model_path, safetensors_folde
         assert torch.allclose(a, b, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("tp", [slow(1), 2])
+@pytest.mark.parametrize("tp", [slow(1), slow(2)])
 def test_an_int8_kv_cache_stays_close_to_transformers(model_path, prompt_ids, hf_model,
                                                       hf_reference, tp):
     """`--kv-cache-dtype int8` on the fp32 model, prompts prefilled 4 tokens a step (so each

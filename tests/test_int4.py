@@ -88,7 +88,8 @@ def int4_reference(hf_model, prompt_ids):
 
 
 @pytest.mark.skipif(not native.load(), reason="int4 runs on braid's C++ operators")
-@pytest.mark.parametrize("tp,overlap", [(2, "on"), slow(1, "off"), slow(3, "on")])
+# make test: the GGUF blocks' parity (test_ggml_blocks), on the same kernels
+@pytest.mark.parametrize("tp,overlap", [slow(2, "on"), slow(1, "off"), slow(3, "on")])
 def test_int4_is_transformers_on_the_rounded_weights(tp, overlap, model_path, prompt_ids,
                                                      int4_reference):
     """The embedded model in fp32 with --quantization int4 (Q4_1 where a rank's columns are

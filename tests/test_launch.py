@@ -44,6 +44,7 @@ def test_ranks_start_with_the_rank_environment_unless_the_user_set_it(monkeypatc
     assert "GOMP_SPINCOUNT" not in os.environ
 
 
+@pytest.mark.slow  # make test: the other launch failures above and below
 def test_a_rank_that_showed_a_progress_bar_leaves_no_semaphore_behind():
     """tqdm's default lock is a named semaphore that a rank's os._exit would leak: the
     resource tracker then warned at the launching process's exit."""
@@ -117,6 +118,7 @@ def test_the_launching_process_exits_nonzero_within_10s():
     assert ended - started < 10
 
 
+@pytest.mark.slow  # make test: the other launch failures above and below
 def test_ranks_outlive_the_thread_that_started_them():
     """Parent-death signals are per thread: ranks started from a thread that has ended must
     keep serving (and still stop when the process that owns them does)."""
@@ -172,6 +174,7 @@ def test_a_rank_killed_during_generate_is_named_first_with_its_signal():
     assert not os.path.exists(lines[-1].split()[2])
 
 
+@pytest.mark.slow  # make test: the other launch failures above and below
 def test_a_script_without_the_main_guard_gets_a_clear_error(tmp_path):
     script = tmp_path / "no_guard.py"
     script.write_text("from braid import LLM\n\nLLM(tp=2)\n")

@@ -255,6 +255,7 @@ def greedy(runner, ids: list[int]) -> tuple[list[int], list[float]]:
     return tokens, logprobs
 
 
+@pytest.mark.slow  # two launches beside a bf16 reference
 def test_int8_decoding_stays_close_to_bf16(bf16_runners, prompt_ids):
     """Decode steps of one row take the int8 path: most greedy tokens equal bf16's, and while
     the tokens agree, their logprobs differ by little."""

@@ -296,6 +296,7 @@ SERVING_KEYS = {"backend", "completed", "total_input_tokens", "total_output_toke
                 "concurrency", "max_output_tokens_per_s", "max_concurrent_requests"}
 
 
+@pytest.mark.slow  # a server of its own; make test: bench-serving's tests in test_bench_eval
 def test_bench_serving_prints_sglangs_block_and_counts_failures(server, tmp_path):
     def bench(*args):
         return subprocess.run(

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import rank_targets
 import torch
+from conftest import slow
 from driver_utils import driver_process, kill_and_wait_for_ranks
 
 from braid.config import EngineConfig, resolve_comm
@@ -48,7 +49,7 @@ def test_results_equal_torch_distributed(world_size):
         group.close()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, slow(3)])
 def test_block_sums_into_the_residual_equal_torch_distributed(world_size):
     group, _ = launch(world_size, rank_targets.shm_reduce_into_against_gloo, num_slots=4,
                       slot_bytes=4096)
@@ -58,7 +59,7 @@ def test_block_sums_into_the_residual_equal_torch_distributed(world_size):
         group.close()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, slow(3)])
 def test_block_sums_round_once(world_size):
     """Rounded once, as `(a.float() + b.float() + residual.float()).to(dtype)`: rounding the
     ranks' sum before adding the residual moved tp 2's bf16 logits off transformers' (see
@@ -71,7 +72,7 @@ def test_block_sums_round_once(world_size):
         group.close()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, slow(3)])
 def test_four_outstanding_operations_complete_in_order(world_size):
     group, _ = launch(world_size, rank_targets.shm_outstanding, num_slots=4, slot_bytes=4096)
     try:
@@ -131,6 +132,7 @@ def test_no_segment_remains_after_the_driver_is_killed():
     assert segments() <= before
 
 
+@pytest.mark.slow  # make test: the driver and a rank killed
 def test_no_segment_remains_after_the_driver_is_killed_while_ranks_start():
     """The ranks unlink the segment once they have all mapped it; a driver killed before then
     (SIGKILL here; a SIGTERM, as `timeout` sends, skips its cleanup too) leaves the ranks to
@@ -232,6 +234,7 @@ def test_long_prompt_logits_with_overlap_do_not_deadlock(model_path):
     assert (logits - reference).abs().max() < 1e-2
 
 
+@pytest.mark.slow  # make test: the driver and a rank killed
 def test_no_segment_remains_after_an_exception_in_a_rank():
     before = segments()
     group, _ = launch(2, rank_targets.shm_then_raise)

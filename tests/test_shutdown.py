@@ -43,6 +43,7 @@ def _exists(segment: str) -> bool:
     return os.path.exists(f"/dev/shm/{segment}")
 
 
+@pytest.mark.slow  # a cold compile
 def test_sigterm_while_the_steps_compile_at_start(tiny_llama, tmp_path):
     """With cold caches the server compiles its steps before it answers; SIGTERM while g++
     runs for inductor stops the compile (the ranks are busy: they are not waited for) and the

@@ -15,6 +15,7 @@ from typing import Literal
 import httpx
 import pytest
 from conftest import API_KEY as KEY
+from conftest import slow
 from pydantic import BaseModel, Field
 
 
@@ -170,6 +171,7 @@ def run_all(client, model, cases) -> list:
         return list(pool.map(lambda case: parse(client, model, *case), cases))
 
 
+@pytest.mark.slow  # twenty grammars; make test: the other constraints
 def test_twenty_pydantic_schemas_parse(client, model):
     """Each schema once, the four modes (greedy/sampled x streamed/not) in turn."""
     cases = [(schema, what, *MODES[i % 4]) for i, (schema, what) in enumerate(SCHEMAS)]
@@ -358,7 +360,7 @@ def tool_calls_of(client, model, stream: bool, **request) -> tuple[list, str]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, slow(1.0)])
 def test_required_and_named_tool_choices_yield_valid_calls(client, model, stream, temperature):
     named = {"type": "function", "function": {"name": "book_flight"}}
     for tool_choice in ("required", named):

@@ -59,6 +59,7 @@ def test_the_wheel_carries_the_operator_sources_and_every_package(wheel):
     assert {f"{package}/__init__.py" for package in packages} <= names
 
 
+@pytest.mark.slow  # builds the operators again; make test checks the wheel's contents
 def test_the_installed_wheel_builds_its_operators_and_generates(fresh_env, model_path):
     python, braid = fresh_env / "bin" / "python", fresh_env / "bin" / "braid"
     env = {**os.environ, "PATH": f"{fresh_env / 'bin'}:{os.environ['PATH']}"}
