@@ -3,7 +3,8 @@
 // up to MAX_GROUP input rows, each weight vector loaded once for all of them.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <immintrin.h>
 

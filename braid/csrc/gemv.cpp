@@ -9,7 +9,11 @@
 // read from memory once whatever the row count, and from L1/L2 again for input rows past the
 // first four. An int8 chunk of 16 is widened to fp32 and multiplied with the input in fp32 (as
 // `aten._weight_int8pack_mm` computes it).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/silu.h>
+#include <ATen/TensorOperators.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

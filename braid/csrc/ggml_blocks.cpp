@@ -13,7 +13,9 @@
 // to `few_rows` rows go to ggml_int8.cpp's integer arithmetic instead (llama.cpp's). CPUs with
 // AVX2 but no AVX-512 decode with ggml_avx2.cpp's 256-bit decoders (fp32: up to four rows in
 // registers, up to `few_rows` over a decoded row).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -2,7 +2,8 @@
 // that read them: ggml_blocks.cpp (decoding to floats) and ggml_int8.cpp (int8 dot products).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>

@@ -10,7 +10,8 @@
 // decode is row-count invariant up to the few-row GEMMs' 32 rows (a request's tokens do not
 // depend on its batch); it differs from the product over the dequantized weight by the input's
 // rounding to int8 (at most half a step of 1/127 of each block's largest input).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -5,7 +5,8 @@
 // quantization alone is five operators over memory, and cost a tenth of a prefill step's time.
 //
 // Packed layout of n elements (n a multiple of 64): n int8 values, then n / 64 fp32 scales.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 

@@ -6,7 +6,7 @@
 // inductor's freezing (whose graphs cannot be saved and reloaded: braid/engine/compiled_step.py).
 // So each is registered here once and the graph passes its number, as a one-element int64
 // tensor: an input like any other, so one graph serves every layer's weight.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <mutex>

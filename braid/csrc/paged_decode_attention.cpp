@@ -13,7 +13,8 @@
 // a pair of int16 queries or softmax weights and adds both products into int32 lanes, or one
 // vdpbf16ps 16 bf16 pairs by a pair of bf16 queries or weights into fp32 lanes: under half the
 // instructions of widening each element to fp32 for an FMA.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

@@ -10,7 +10,9 @@
 // group share every key block (M = group x query block), key blocks past the diagonal are
 // skipped, and the softmax's exponential is a short polynomial (its weights are rounded to
 // bf16 for the second GEMM anyway).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

@@ -4,7 +4,8 @@
 // memory. Here the row is read once, its squares summed in fp32, and the product of the
 // normalised row and the weight rounded once, as the compiled norm (`fused._rms_norm` under
 // inductor) computes it: eager rounds the normalised row to the dtype first.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 

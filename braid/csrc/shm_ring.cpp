@@ -19,7 +19,11 @@
 //
 // Header words are loaded with acquire and stored with release semantics (plain moves on x86).
 // A long wait releases Python's GIL, so the rank's other threads (its parent watch) run.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <Python.h>
