@@ -48,6 +48,7 @@ def in_host0(pool, fn, *args):
     return pool.submit(fn, *args).result()
 
 
+@pytest.mark.slow  # a one-host launch beside the two hosts; make test: the tests below
 def test_greedy_completions_equal_one_host_tp2_fp32(served):
     pool, client, _ = served
     one_host = subprocess.run(
