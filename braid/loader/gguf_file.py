@@ -24,11 +24,11 @@ from braid.errors import UserError
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 ALIGNMENT_KEY = "general.alignment"
-# struct formats of the scalar value types (little-endian, as llama.cpp writes its files)
-_SCALARS = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-            GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-            GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-            GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d"}
+# struct codes of the scalar value types (read little-endian, as llama.cpp writes its files)
+_SCALARS = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
+            GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
+            GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
+            GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d"}
 # numpy item types of the tensor types stored as plain arrays (any other is bytes of blocks)
 _PLAIN_TENSORS = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
                   GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
@@ -56,16 +56,21 @@ class _Cursor:
     def __init__(self, buffer, path: str) -> None:
         self.buffer, self.offset, self.path = buffer, 0, path
 
-    def unpack(self, fmt: str):
+    def values(self, code: str, count: int) -> list:
+        """The next `count` values of struct code `code`."""
+        fmt = f"<{count}{code}"
         try:
-            value = struct.unpack_from(fmt, self.buffer, self.offset)[0]
+            values = struct.unpack_from(fmt, self.buffer, self.offset)
         except struct.error:
             raise UserError(f"{self.path}: the GGUF header ends before its last value") from None
         self.offset += struct.calcsize(fmt)
-        return value
+        return list(values)
+
+    def unpack(self, code: str):
+        return self.values(code, 1)[0]
 
     def string(self) -> str:
-        length = self.unpack("<Q")
+        length = self.unpack("Q")
         start, self.offset = self.offset, self.offset + length
         if self.offset > len(self.buffer):
             raise UserError(f"{self.path}: the GGUF header ends inside a string")
@@ -78,17 +83,15 @@ class _Cursor:
         if kind == GGUFValueType.STRING:
             return self.string()
         if kind == GGUFValueType.ARRAY:
-            item_kind, count = self.unpack("<I"), self.unpack("<Q")
-            fmt = _SCALARS.get(item_kind)
-            if fmt is None:  # strings and nested arrays: one by one
+            item_kind, count = self.unpack("I"), self.unpack("Q")
+            code = _SCALARS.get(item_kind)
+            if code is None:  # strings and nested arrays: one by one
                 return [self.value(item_kind) for _ in range(count)]
-            values = struct.unpack_from(f"<{count}{fmt[1]}", self.buffer, self.offset)
-            self.offset += count * struct.calcsize(fmt)
-            return list(values)
-        fmt = _SCALARS.get(kind)
-        if fmt is None:
+            return self.values(code, count)
+        code = _SCALARS.get(kind)
+        if code is None:
             raise UserError(f"{self.path}: GGUF value type {kind} is not one the format has")
-        return self.unpack(fmt)
+        return self.unpack(code)
 
 
 class GGUFFileIndex:
@@ -102,21 +105,21 @@ class GGUFFileIndex:
         if bytes(self.map[:4]) != MAGIC:
             raise UserError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
         cursor.offset = 4
-        version = cursor.unpack("<I")
+        version = cursor.unpack("I")
         if version not in (2, 3):
             raise UserError(f"{path}: GGUF version {version} is not supported (2 and 3 are; a "
                             "big-endian file reads as another version)")
-        tensor_count, field_count = cursor.unpack("<Q"), cursor.unpack("<Q")
+        tensor_count, field_count = cursor.unpack("Q"), cursor.unpack("Q")
         self.fields: dict[str, Any] = {}
         for _ in range(field_count):
             key = cursor.string()
-            self.fields[key] = cursor.value(cursor.unpack("<I"))
+            self.fields[key] = cursor.value(cursor.unpack("I"))
         infos = []
         for _ in range(tensor_count):
             name = cursor.string()
-            dims = tuple(cursor.unpack("<Q") for _ in range(cursor.unpack("<I")))
-            infos.append((name, dims, GGMLQuantizationType(cursor.unpack("<I")),
-                          cursor.unpack("<Q")))
+            dims = tuple(cursor.unpack("Q") for _ in range(cursor.unpack("I")))
+            infos.append((name, dims, GGMLQuantizationType(cursor.unpack("I")),
+                          cursor.unpack("Q")))
         alignment = int(self.fields.get(ALIGNMENT_KEY, DEFAULT_ALIGNMENT))
         data_start = -(-cursor.offset // alignment) * alignment
         self.tensors = [self._tensor(path, data_start, *info) for info in infos]
