@@ -239,6 +239,13 @@ class CompileConfig(_Group):
         "bf16/fp16 models); int4: the linear weights rounded at load into llama.cpp's Q4_K "
         "blocks (Q4_1 where a rank's columns are not a multiple of 256) and computed from as "
         "a GGUF file's, no dense copy kept (CPU)", choices=("auto", "none", "int8", "int4"))
+    block_inputs: str = setting(
+        "int8", "how GEMMs of up to 32 rows (decode, small batches) over quantized blocks "
+        "(GGUF, AWQ/GPTQ, --quantization int4) take their inputs. int8: rounded to int8 per "
+        "block and multiplied with the quants in integers, llama.cpp's arithmetic, for Q4_K, "
+        "Q6_K and Q8_0 blocks where this CPU has the kernel (bf16 with AVX512-VNNI, fp32 on "
+        "AVX2-only CPUs); float: the decoded weights times the inputs in --dtype, the product "
+        "over the dequantized weight", choices=("int8", "float"))
     weight_packing: str = setting(
         "auto", "oneDNN's blocked copy of bf16 linear weights on CPU, beside the row-major one "
         "(the weights' memory again), read by GEMMs past the few-row kernel's rows. auto: where "

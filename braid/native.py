@@ -137,7 +137,7 @@ def _register_fakes() -> None:
         return blocks.new_empty(blocks.shape[0], columns, dtype=dtype)
 
     @fake("braid::ggml_linear")
-    def _(x, blocks, type, few_rows):
+    def _(x, blocks, type, few_rows, round_inputs):
         return x.new_empty(x.shape[0], blocks.shape[0])
 
     @fake("braid::causal_prefill_attention")

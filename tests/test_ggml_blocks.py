@@ -76,37 +76,42 @@ def int8_input_product(x: torch.Tensor, weight: torch.Tensor, block: int) -> tor
 INPUT_BLOCK = {Q.Q4_K: 256, Q.Q6_K: 256, Q.Q8_0: 32}
 
 
-def int8_inputs(kind: Q, x: torch.Tensor) -> bool:
-    return x.shape[0] <= FEW_ROWS and rounds_inputs(int(kind), x.dtype, x.shape[1])
+def int8_inputs(kind: Q, x: torch.Tensor, round_inputs: bool = True) -> bool:
+    return round_inputs and x.shape[0] <= FEW_ROWS and rounds_inputs(int(kind), x.dtype,
+                                                                     x.shape[1])
 
 
-def reference_product(x: torch.Tensor, weight: torch.Tensor, kind: Q) -> torch.Tensor:
+def reference_product(x: torch.Tensor, weight: torch.Tensor, kind: Q,
+                      round_inputs: bool = True) -> torch.Tensor:
     """What `ggml_linear` computes over blocks of `kind` dequantizing to `weight`, in float64."""
-    if int8_inputs(kind, x):
+    if int8_inputs(kind, x, round_inputs):
         return int8_input_product(x, weight, INPUT_BLOCK[kind])
     return x.double() @ weight.double().T
 
 
+@pytest.mark.parametrize("round_inputs", [True, False], ids=["int8-inputs", "float-inputs"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
-def test_a_product_over_blocks_is_the_product_with_the_dequantized_weight(kind, dtype):
+def test_a_product_over_blocks_is_the_product_with_the_dequantized_weight(kind, dtype,
+                                                                          round_inputs):
     """1-9 rows through the few-row kernel (tiles of four weight rows, then one at a time:
-    2101 rows) or the int8 one, more through ATen's GEMM over decoded chunks (2101 rows of 512
-    make two)."""
+    2101 rows) or the int8 one (`round_inputs`, where it serves), more through ATen's GEMM
+    over decoded chunks (2101 rows of 512 make two)."""
     rows, columns = 2101, 512
     blocks = random_blocks(kind, rows, columns, seed=1)
     weight = dequantized(blocks, kind, columns).to(dtype).double()
     gen = torch.Generator().manual_seed(0)
     for m in (1, 3, 5, 9, FEW_ROWS + 7):
         x = torch.randn(m, columns, generator=gen).to(dtype)
-        y = torch.ops.braid.ggml_linear(x, torch.from_numpy(blocks), int(kind), FEW_ROWS)
+        y = torch.ops.braid.ggml_linear(x, torch.from_numpy(blocks), int(kind), FEW_ROWS,
+                                        round_inputs)
         assert y.dtype == dtype and y.shape == (m, rows)
-        expected = reference_product(x, weight, kind)
+        expected = reference_product(x, weight, kind, round_inputs)
         # Rounding bounds relative to the sum of |products|: fp32 sums in another order, bf16
         # outputs rounded to 8 bits
         bound = (1e-5 if dtype == torch.float32 else 2 ** -8) * (x.double().abs() @ weight.abs().T)
         assert ((y.double() - expected).abs() <= bound).all(), m
-        if int8_inputs(kind, x):  # and from the exact product, half an int8 step at most
+        if int8_inputs(kind, x, round_inputs):  # and from the exact product, half an int8 step at most
             block = INPUT_BLOCK[kind]
             steps = x.double().view(m, -1, block).abs().amax(-1) / 127
             rounding = (steps / 2).repeat_interleave(block, dim=1) @ weight.abs().T
@@ -114,16 +119,17 @@ def test_a_product_over_blocks_is_the_product_with_the_dequantized_weight(kind, 
             assert ((y.double() - exact).abs() <= rounding + bound).all(), m
 
 
+@pytest.mark.parametrize("round_inputs", [True, False], ids=["int8-inputs", "float-inputs"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_K],
                          ids=lambda k: k.name)
-def test_a_few_rows_over_blocks_do_not_depend_on_the_row_count(kind, dtype):
+def test_a_few_rows_over_blocks_do_not_depend_on_the_row_count(kind, dtype, round_inputs):
     """Up to FEW_ROWS rows a row's bits do not depend on the rows beside it, so a step's row
-    count does not change a sequence's tokens. The int8 kernels (Q4_K, Q6_K, Q8_0 in bf16 with
-    VNNI) give each row the bits it has alone; the decoded paths (in registers up to four rows,
-    in tiles beyond; Q5_K by the scalar decoder) the few-row kernel's bits over the dequantized
-    weight, so the file's format does not change tokens either. Without AVX-512, the AVX2
-    kernels (fp32) give each row the bits it has alone."""
+    count does not change a sequence's tokens. The int8 kernels (Q4_K, Q6_K, Q8_0: bf16 with
+    VNNI, fp32 on AVX2) give each row the bits it has alone; the decoded paths (in registers up
+    to four rows, in tiles beyond; Q5_K by the scalar decoder) the few-row kernel's bits over
+    the dequantized weight, so the file's format does not change tokens either. Without
+    AVX-512, the AVX2 kernels (fp32, int8 or decoded) give each row the bits it has alone."""
     few_rows_kernel = decode_kernel.few_rows_fits(torch.empty(1, 512, dtype=dtype))
     avx2 = not few_rows_kernel and decode_kernel.block_kernels_serve(dtype)
     if not (few_rows_kernel or avx2):
@@ -133,9 +139,10 @@ def test_a_few_rows_over_blocks_do_not_depend_on_the_row_count(kind, dtype):
     weight = dequantized(blocks.numpy(), kind, columns).to(dtype)
     x = torch.randn(FEW_ROWS, columns, generator=torch.Generator().manual_seed(0)).to(dtype)
     for m in (1, 2, 3, 4, 5, 8, 9, FEW_ROWS):
-        y = torch.ops.braid.ggml_linear(x[-m:], blocks, int(kind), FEW_ROWS)
-        if avx2 or int8_inputs(kind, x[-m:]):
-            alone = [torch.ops.braid.ggml_linear(x[i:i + 1], blocks, int(kind), FEW_ROWS)
+        y = torch.ops.braid.ggml_linear(x[-m:], blocks, int(kind), FEW_ROWS, round_inputs)
+        if avx2 or int8_inputs(kind, x[-m:], round_inputs):
+            alone = [torch.ops.braid.ggml_linear(x[i:i + 1], blocks, int(kind), FEW_ROWS,
+                                                 round_inputs)
                      for i in range(FEW_ROWS - m, FEW_ROWS)]
             assert torch.equal(y, torch.cat(alone)), m
         else:
@@ -146,9 +153,9 @@ def test_blocks_of_another_width_are_refused():
     blocks = torch.from_numpy(random_blocks(Q.Q4_K, 4, 512))
     with pytest.raises(RuntimeError, match="512 columns in blocks of 256 take 288 bytes"):
         torch.ops.braid.ggml_linear(torch.zeros(1, 512), blocks[:, :100].contiguous(),
-                                    int(Q.Q4_K), FEW_ROWS)
+                                    int(Q.Q4_K), FEW_ROWS, True)
     with pytest.raises(RuntimeError, match="GGML type 1 has no block decoder"):
-        torch.ops.braid.ggml_linear(torch.zeros(1, 512), blocks, 1, FEW_ROWS)
+        torch.ops.braid.ggml_linear(torch.zeros(1, 512), blocks, 1, FEW_ROWS, True)
 
 
 class BlockTensor(LazyWeight):

@@ -473,14 +473,14 @@ bool few_rows_serve(const at::Tensor& x) {
 constexpr int64_t CHUNK_BYTES = 4 << 20;
 
 // x [M, K] @ W^T for the weight W [N, K] in GGML blocks of `type`, in x's dtype: up to
-// `few_rows` rows through the few-row kernel over decoded tiles, more through ATen's GEMM over
-// decoded chunks of rows.
+// `few_rows` rows through the int8 kernels (with `round_inputs`, where they serve) or the
+// few-row kernel over decoded tiles, more through ATen's GEMM over decoded chunks of rows.
 at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
-                       int64_t few_rows) {
+                       int64_t few_rows, bool round_inputs) {
   TORCH_CHECK(x.dim() == 2, "ggml_linear: an input [M, K], got ", x.sizes());
   check_blocks("ggml_linear", blocks, type, x.size(1));
   const int64_t M = x.size(0), N = blocks.size(0), K = x.size(1);
-  if (M <= few_rows && int8_dot_serves(type, x.scalar_type(), K))
+  if (round_inputs && M <= few_rows && int8_dot_serves(type, x.scalar_type(), K))
     return int8_dot_linear(x, blocks, type);
 #if defined(__AVX512F__)
   if (M <= few_rows && few_rows_serve(x)) {
@@ -509,7 +509,7 @@ at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
 
 TORCH_LIBRARY_FRAGMENT(braid, m) {
   m.def("ggml_dequantize(Tensor blocks, int type, int columns, ScalarType dtype) -> Tensor");
-  m.def("ggml_linear(Tensor x, Tensor blocks, int type, int few_rows) -> Tensor");
+  m.def("ggml_linear(Tensor x, Tensor blocks, int type, int few_rows, bool round_inputs) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(braid, CPU, m) {

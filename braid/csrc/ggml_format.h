@@ -65,6 +65,10 @@ void avx2_decode_row(int64_t type, const uint8_t* row, float* out, int64_t K);
 // x [M, K] (fp32, a few rows: each weight row is decoded once per call) @ W^T over W's blocks
 // of `type`.
 at::Tensor avx2_few_rows_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type);
+// Whether ggml_int8_avx2.cpp's int8 dot products serve blocks of `type` with K columns, and
+// x [M, K] (fp32) @ W^T through them.
+bool avx2_int8_serves(int64_t type, int64_t K);
+at::Tensor avx2_int8_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type);
 #endif
 
 // Whether ggml_int8.cpp computes the few-row GEMMs over blocks of `type` with `dtype` inputs

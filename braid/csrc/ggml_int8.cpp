@@ -331,6 +331,9 @@ bool int8_dot_serves(int64_t type, at::ScalarType dtype, int64_t K) {
   // bf16 runs only: an fp32 run asks for products as exact as fp32's, not for llama.cpp's
   if (dtype != at::kBFloat16) return false;
   return ((type == Q4_K || type == Q6_K) && K % BLOCK == 0) || (type == Q8_0 && K % PAIR == 0);
+#elif defined(BRAID_GGML_AVX2)
+  // fp32, the dtype these CPUs compute natively (bf16 runs there dequantize at load)
+  return dtype == at::kFloat && avx2_int8_serves(type, K);
 #else
   return false;
 #endif
@@ -342,8 +345,10 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_
               " inputs of ", x.size(1), " columns on this CPU");
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return linear<at::BFloat16>(x, blocks, type);
+#elif defined(BRAID_GGML_AVX2)
+  return avx2_int8_linear(x, blocks, type);
 #else
-  return at::Tensor();  // (not reached: nothing is served without VNNI)
+  return at::Tensor();  // (not reached: nothing is served without VNNI or AVX2)
 #endif
 }
 

@@ -7,8 +7,9 @@ the file's bytes. `torch.ops.braid.ggml_linear` decodes weight rows in registers
 input rows), in tiles (up to FEW_ROWS) or in chunks handed to ATen's GEMM (more); an embedding
 lookup decodes the rows it reads. Decoded values are those of the `gguf` package's
 `dequantize`, so results equal those over the dequantized weight in the same dtype (the same
-bits, up to FEW_ROWS rows), except where `rounds_inputs` rounds bf16 inputs to int8 as
-llama.cpp does (`csrc/ggml_int8.cpp`).
+bits, up to FEW_ROWS rows), except where the few-row GEMMs round their inputs to int8 as
+llama.cpp does (`rounds_inputs`, `--block-inputs int8`: `csrc/ggml_int8.cpp`,
+`csrc/ggml_int8_avx2.cpp`).
 
 Loading goes through the layers' usual weight loaders: where a checkpoint tensor has blocks
 (`LazyWeight.ggml_type`) and the layer computes from them, the loader files the rows under the
@@ -40,10 +41,11 @@ TRIM_EVERY = 16
 
 
 def rounds_inputs(kind: int, dtype: torch.dtype, columns: int) -> bool:
-    """Whether GEMMs of up to FEW_ROWS rows over blocks of GGML type `kind` round the inputs to
-    int8 and multiply them with the blocks' quants in integers (`csrc/ggml_int8.cpp`,
-    AVX512-VNNI), as llama.cpp does: Q4_K, Q6_K and Q8_0 in bf16 (an fp32 run asks for fp32's
-    products)."""
+    """Whether GEMMs of up to FEW_ROWS rows over blocks of GGML type `kind`, with `dtype` inputs
+    of `columns` columns, can round the inputs to int8 and multiply them with the blocks' quants
+    in integers, as llama.cpp does (`--block-inputs int8`, the default): Q4_K, Q6_K and Q8_0,
+    bf16 on CPUs with AVX512-VNNI (`csrc/ggml_int8.cpp`), fp32 on AVX2-only ones
+    (`csrc/ggml_int8_avx2.cpp`), the dtypes those CPUs compute natively."""
     return torch.ops.braid.ggml_int8_serves(kind, dtype, columns)
 
 
@@ -51,11 +53,13 @@ def rounds_inputs(kind: int, dtype: torch.dtype, columns: int) -> bool:
 class GGMLWeight:
     """A layer's weight `[rows, columns]` as runs of rows in GGML blocks: `types[i]` and
     `blocks[i]` (uint8, `[rows_i, bytes]`) for consecutive runs (one where the checkpoint's
-    tensors of a fused parameter share a format)."""
+    tensors of a fused parameter share a format). `round_inputs`: GEMMs of a few rows round
+    their inputs to int8 where a kernel does (`rounds_inputs`; `--block-inputs`)."""
 
     columns: int
     types: list[int]
     blocks: list[torch.Tensor]
+    round_inputs: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -64,7 +68,7 @@ class GGMLWeight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ weight.T`, in `x`'s dtype."""
         rows = x.reshape(-1, x.shape[-1])
-        parts = [torch.ops.braid.ggml_linear(rows, blocks, kind, FEW_ROWS)
+        parts = [torch.ops.braid.ggml_linear(rows, blocks, kind, FEW_ROWS, self.round_inputs)
                  for kind, blocks in zip(self.types, self.blocks)]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -115,6 +119,15 @@ def keep_blocks(model: nn.Module) -> int:
                 release_free_memory()
         layer.ggml = kept[id(param)]
     return sum(w.nbytes for w in kept.values() if w is not None)
+
+
+def set_input_rounding(model: nn.Module, round_inputs: bool) -> None:
+    """Whether the few-row GEMMs over every block weight of `model` (a checkpoint's or
+    `--quantization int4`'s) round their inputs to int8 (`--block-inputs`)."""
+    for layer in model.modules():
+        weight = getattr(layer, "ggml", None)
+        if weight is not None:
+            weight.round_inputs = round_inputs
 
 
 def _dense_weight(layer: nn.Module) -> nn.Parameter | None:

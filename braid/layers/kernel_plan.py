@@ -32,6 +32,9 @@ class KernelPlan:
     # A GGUF file's quantized weights kept in their blocks (`--quantization auto`,
     # `braid.layers.ggml_weight`)
     gguf_blocks: bool = False
+    # GEMMs of a few rows over blocks (GGUF, int4) round their inputs to int8 where a kernel
+    # does (`--block-inputs`)
+    round_block_inputs: bool = True
     # Linear layers' int8 copies for GEMMs of few rows (`--quantization int8`)
     int8_weights: bool = False
     # Linear weights rounded into 4-bit GGML blocks at load (`--quantization int4`,
@@ -54,7 +57,8 @@ class KernelPlan:
                   f"up to {self.packed_max_rows} rows" if self.packed_max_rows else "any rows")
         return (f"decode attention {self.decode_attention}, prefill attention "
                 f"{self.prefill_attention}, KV layout {self.kv_layout}, packed weights "
-                f"{packed}, GGUF blocks {'kept' if self.gguf_blocks else 'dequantized'}, int8 "
+                f"{packed}, GGUF blocks {'kept' if self.gguf_blocks else 'dequantized'}, block inputs "
+                f"{'int8' if self.round_block_inputs else 'float'}, int8 "
                 f"weights {'on' if self.int8_weights else 'off'}, int4 weights "
                 f"{'on' if self.int4_weights else 'off'}, few-row "
                 f"GEMMs {f'up to {self.few_rows} rows' if self.few_rows else 'off'}, compiled "

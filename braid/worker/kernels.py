@@ -48,6 +48,7 @@ def plan_kernels(engine: EngineConfig, model: nn.Module) -> KernelPlan:
         decode_attention="operator" if decode_operator else "gathered",
         prefill_attention=_prefill_attention(decode_operator, attention, dtype, device),
         gguf_blocks=operators and keeps_quantized_blocks(engine, model.config),
+        round_block_inputs=engine.compile.block_inputs == "int8",
         int8_weights=_int8_weights(engine),
         int4_weights=_int4_weights(engine, operators),
         packed_weights=(_packs(engine, operators)

@@ -17,7 +17,7 @@ from braid.config import EngineConfig
 from braid.distributed.comm import SwitchableCommunicator
 from braid.layers.forward_batch import ForwardBatch
 from braid.layers.fused import configure_compile
-from braid.layers.ggml_weight import keep_blocks
+from braid.layers.ggml_weight import keep_blocks, set_input_rounding
 from braid.layers.int4 import quantize_to_int4
 from braid.layers.quant import make_weight_forms
 from braid.loader.model_config import ModelConfig
@@ -101,6 +101,7 @@ class ModelRunner:
         keep_blocks(self.model)
         if self.kernels.int4_weights:
             quantize_to_int4(self.model)
+        set_input_rounding(self.model, self.kernels.round_block_inputs)
         release_free_memory()
         self.model.to(self.device).eval()
         self._packed = make_weight_forms(self.model, self.kernels)
