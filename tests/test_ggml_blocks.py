@@ -205,11 +205,12 @@ def test_a_row_parallel_split_that_cuts_a_block_names_the_tp():
 @pytest.mark.parametrize("tp,overlap", [(2, "on"), slow(3, "off")])
 def test_the_blocks_generate_what_transformers_does_from_the_dequantized_weights(
         tp, overlap, model_path, prompt_ids, hf_reference):
-    """The embedded Q4_1 file (its embedding in Q8_0) in fp32: the ranks hold the file's
-    bytes (each its share), and logits and greedy tokens are transformers' on the dequantized
-    weights (tp 1 and 2 without overlap: test_hf_parity)."""
+    """The embedded Q4_1 file (its embedding in Q8_0) in fp32, with the decoded products
+    (`--block-inputs float`; on AVX2 CPUs int8 inputs are the default): the ranks hold the
+    file's bytes (each its share), and logits and greedy tokens are transformers' on the
+    dequantized weights (tp 1 and 2 without overlap: test_hf_parity)."""
     ref_logits, ref_greedy = hf_reference
-    with LLM(model_path, tp=tp, dtype="fp32", overlap=overlap) as llm:
+    with LLM(model_path, tp=tp, dtype="fp32", overlap=overlap, block_inputs="float") as llm:
         readies = llm.core.executor.readies
         check_logits(llm.prompt_logits(prompt_ids), ref_logits)
         params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
@@ -221,24 +222,33 @@ def test_the_blocks_generate_what_transformers_does_from_the_dequantized_weights
         assert out.token_ids == ref, f"prompt {i}: greedy tokens differ from transformers"
 
 
-# The most a bf16 greedy token's logit may fall short of the best one under the exact fp32
-# model: bf16 and the int8 inputs' rounding moved it by at most 0.23 here (bf16 alone: 0.05); a
-# wrong product moves it by whole units
+# The most a greedy token's logit may fall short of the best one under the exact fp32 model:
+# bf16 and the int8 inputs' rounding moved it by at most 0.23 on an AVX512-VNNI host (bf16
+# alone: 0.05); a wrong product moves it by whole units
 LOGIT_MARGIN = 0.5
 
 
-@pytest.mark.skipif(not rounds_inputs(int(Q.Q8_0), torch.bfloat16, 576)
-                    or not decode_kernel.few_rows_serve(torch.bfloat16),
-                    reason="the int8 kernels need AVX512-VNNI and the few-row one AVX512-BF16")
+def int8_dtype() -> str | None:
+    """The dtype whose few-row GEMMs over the embedded file's Q8_0 LM head round their inputs
+    to int8 on this CPU: bf16 with AVX512-VNNI (and the few-row kernel's AVX512-BF16), fp32 on
+    AVX2-only CPUs; None elsewhere."""
+    if (rounds_inputs(int(Q.Q8_0), torch.bfloat16, 576)
+            and decode_kernel.few_rows_serve(torch.bfloat16)):
+        return "bf16"
+    return "fp32" if rounds_inputs(int(Q.Q8_0), torch.float32, 576) else None
+
+
+@pytest.mark.skipif(int8_dtype() is None, reason="no int8 kernel over blocks on this CPU")
 @pytest.mark.parametrize("tp,overlap", [(2, "on"), slow(1, "off"), slow(3, "on")])
-def test_bf16_tokens_through_int8_inputs_are_the_exact_models_choices(
+def test_tokens_through_int8_inputs_are_the_exact_models_choices(
         tp, overlap, model_path, prompt_ids, hf_model):
-    """In bf16 the embedded file's LM head (its Q8_0 embedding, tied) rounds the inputs of
-    one sequence's decode steps to int8 as llama.cpp does. Fed the same tokens, transformers'
-    fp32 model on the dequantized weights ranks each greedy token within LOGIT_MARGIN of its
-    best."""
+    """The embedded file's LM head (its Q8_0 embedding, tied) rounds the inputs of one
+    sequence's decode steps to int8 as llama.cpp does (`int8_dtype`). Fed the same tokens,
+    transformers' fp32 model on the dequantized weights ranks each greedy token within
+    LOGIT_MARGIN of its best."""
     params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
-    with LLM(model_path, tp=tp, dtype="bf16", overlap=overlap) as llm:
+    with LLM(model_path, tp=tp, dtype=int8_dtype(), overlap=overlap) as llm:
+        assert all("block inputs int8" in r.kernels for r in llm.core.executor.readies)
         outputs = [llm.generate([ids], params)[0] for ids in prompt_ids]  # one row a step
     with torch.inference_mode():
         for i, (ids, out) in enumerate(zip(prompt_ids, outputs)):

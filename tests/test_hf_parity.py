@@ -1,4 +1,8 @@
-"""braid against Hugging Face transformers on the same weights, at tp 1, 2 and 3 (fp32)."""
+"""braid against Hugging Face transformers on the same weights, at tp 1, 2 and 3 (fp32).
+
+The embedded file's blocks are multiplied as the dequantized weights are
+(`block_inputs="float"`): on AVX2 CPUs the default rounds few-row GEMMs' inputs to int8, as
+llama.cpp does (test_ggml_blocks holds that path to the exact model's choices)."""
 
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ def check_logits(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> Non
 def test_logits_and_greedy_tokens_match_transformers(tp, comm, model_path, prompt_ids,
                                                      hf_reference):
     ref_logits, ref_greedy = hf_reference
-    with LLM(model_path, tp=tp, dtype="fp32", comm=comm) as llm:
+    with LLM(model_path, tp=tp, dtype="fp32", comm=comm, block_inputs="float") as llm:
         check_logits(llm.prompt_logits(prompt_ids), ref_logits)
         params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
         outputs = llm.generate(prompt_ids, params)  # all four prompts batched together
@@ -55,7 +59,7 @@ def test_an_int8_kv_cache_stays_close_to_transformers(model_path, prompt_ids, hf
     _, ref_greedy = hf_reference
     params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True, logprobs=0)
     with LLM(model_path, tp=tp, dtype="fp32", kv_cache_dtype="int8",
-             max_num_batched_tokens=4) as llm:
+             max_num_batched_tokens=4, block_inputs="float") as llm:
         outputs = llm.generate(prompt_ids, params)
     same = worst = 0
     for ids, out, ref in zip(prompt_ids, outputs, ref_greedy):
