@@ -1,7 +1,9 @@
-"""One GEMM over a GGUF format's blocks (`torch.ops.braid.ggml_linear`) against the dense
-few-row kernel on a bf16 weight of the same shape: milliseconds a call and weights a second.
+"""One GEMM over a GGUF format's blocks (`torch.ops.braid.ggml_linear`) against a dense
+weight of the same shape (the few-row kernel where it serves the dtype, else ATen's GEMM):
+milliseconds a call and weights a second.
 
     python scripts/bench_ggml_blocks.py --rows 8192 --columns 2048 --threads 1 --inputs 1
+    python scripts/bench_ggml_blocks.py --dtype fp32 --block-inputs float  # AVX2 hosts
 
 The blocks are random bytes with small fp16 scales (any bytes are valid blocks)."""
 
@@ -15,6 +17,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from braid import native
+from braid.layers import decode_kernel
 
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_K"]
 # Where each format keeps its fp16 scale (and minimum) in a block
@@ -46,18 +49,26 @@ def main() -> None:
     parser.add_argument("--columns", type=int, default=2048)
     parser.add_argument("--inputs", type=int, default=1, help="input rows (the GEMM's M)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--block-inputs", choices=["int8", "float"], default="int8",
+                        help="as braid's setting: int8 where this CPU's int8 kernels serve")
     args = parser.parse_args()
     if not native.load(announce=True):
         raise SystemExit("braid's C++ operators could not be built")
     torch.set_num_threads(args.threads)
-    x = torch.randn(args.inputs, args.columns).bfloat16()
-    dense = torch.randn(args.rows, args.columns).bfloat16()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    x = torch.randn(args.inputs, args.columns).to(dtype)
+    dense = torch.randn(args.rows, args.columns).to(dtype)
+    dense_linear = (decode_kernel.few_rows_linear if decode_kernel.few_rows_fits(dense)
+                    else torch.nn.functional.linear)
     weights = args.rows * args.columns
-    ms = milliseconds(lambda: torch.ops.braid.few_rows_linear(x, dense))
-    print(f"dense bf16: {ms:.2f} ms ({weights / ms / 1e6:.1f} G weights/s)")
+    ms = milliseconds(lambda: dense_linear(x, dense))
+    print(f"dense {args.dtype}: {ms:.2f} ms ({weights / ms / 1e6:.1f} G weights/s)")
+    round_inputs = args.block_inputs == "int8"
     for name in FORMATS:
         blocks, kind = random_blocks(name, args.rows, args.columns), GGMLQuantizationType[name]
-        ms = milliseconds(lambda b=blocks, k=int(kind): torch.ops.braid.ggml_linear(x, b, k, 32))
+        ms = milliseconds(lambda b=blocks, k=int(kind): torch.ops.braid.ggml_linear(
+            x, b, k, 32, round_inputs))
         print(f"{name}: {ms:.2f} ms ({weights / ms / 1e6:.1f} G weights/s), "
               f"{blocks.numel() / weights:.2f} bytes a weight")
 

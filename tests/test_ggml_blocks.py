@@ -111,7 +111,7 @@ def test_a_product_over_blocks_is_the_product_with_the_dequantized_weight(kind, 
         # outputs rounded to 8 bits
         bound = (1e-5 if dtype == torch.float32 else 2 ** -8) * (x.double().abs() @ weight.abs().T)
         assert ((y.double() - expected).abs() <= bound).all(), m
-        if int8_inputs(kind, x, round_inputs):  # and from the exact product, half an int8 step at most
+        if int8_inputs(kind, x, round_inputs):  # and from the exact product: half a step at most
             block = INPUT_BLOCK[kind]
             steps = x.double().view(m, -1, block).abs().amax(-1) / 127
             rounding = (steps / 2).repeat_interleave(block, dim=1) @ weight.abs().T

@@ -57,8 +57,8 @@ class KernelPlan:
                   f"up to {self.packed_max_rows} rows" if self.packed_max_rows else "any rows")
         return (f"decode attention {self.decode_attention}, prefill attention "
                 f"{self.prefill_attention}, KV layout {self.kv_layout}, packed weights "
-                f"{packed}, GGUF blocks {'kept' if self.gguf_blocks else 'dequantized'}, block inputs "
-                f"{'int8' if self.round_block_inputs else 'float'}, int8 "
+                f"{packed}, GGUF blocks {'kept' if self.gguf_blocks else 'dequantized'}, "
+                f"block inputs {'int8' if self.round_block_inputs else 'float'}, int8 "
                 f"weights {'on' if self.int8_weights else 'off'}, int4 weights "
                 f"{'on' if self.int4_weights else 'off'}, few-row "
                 f"GEMMs {f'up to {self.few_rows} rows' if self.few_rows else 'off'}, compiled "
