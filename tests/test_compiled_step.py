@@ -253,3 +253,18 @@ def test_products_by_row_count_in_a_compiled_graph(gated):
     # One graph for a single row (dynamo specialises a size of 1), one for every other count
     assert len(graphs) == 2
     assert all(targets.count("braid.linear_by_rows") == 1 for targets in graphs)
+
+
+def test_a_saved_graphs_key_names_the_settings_that_shape_its_code(model_path):
+    """A graph saved under one setting is never loaded for another: its operators' arguments
+    (the blocks' input rounding, the weights' forms, the dtypes) are constants of its code."""
+    base = EngineConfig.create(model=model_path)
+
+    def key(engine: EngineConfig) -> str:
+        return compiled_step.graph_cache_key(engine, model_path, 0, 2, False, 64)
+
+    for change in (dict(block_inputs="float"), dict(quantization="none"),
+                   dict(kv_cache_dtype="int8"), dict(dtype="bf16" if base.dtype == "fp32"
+                                                       else "fp32")):
+        assert key(base.replace(**change)) != key(base), change
+    assert key(base.replace(prefix_caching=False)) == key(base)  # the scheduler's: no graph's

@@ -284,7 +284,7 @@ def graph_cache_key(engine: EngineConfig, model_path: str, rank: int, world_size
         "threads": torch.get_num_threads(), "model": _file_identity(Path(model_path)),
         "rank": rank, "world_size": world_size, "comm": engine.parallel.comm,
         "dtype": engine.dtype, "kv_cache_dtype": engine.kv_cache.kv_cache_dtype,
-        "quantization": engine.compile.quantization,
+        "quantization": engine.compile.quantization, "block_inputs": engine.compile.block_inputs,
         "block_size": engine.kv_cache.block_size, "kv_blocks": kv_blocks, "packed": packed,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
