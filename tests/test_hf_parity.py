@@ -37,6 +37,7 @@ def test_logits_and_greedy_tokens_match_transformers(tp, comm, model_path, promp
         assert out.token_ids == ref, f"prompt {i}: greedy tokens differ from transformers"
 
 
+@pytest.mark.slow  # (make test loads the safetensors copy in test_cli and test_awq_gptq)
 def test_safetensors_and_gguf_give_the_same_logits(model_path, safetensors_folder, prompt_ids):
     with LLM(model_path, tp=2, dtype="fp32") as llm:
         from_gguf = llm.prompt_logits(prompt_ids)

@@ -6,9 +6,12 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <c10/util/Half.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 namespace braid_ggml {
 
@@ -54,6 +57,33 @@ inline void unpack_scales_k4(const uint8_t* packed, uint8_t out[16]) {
       w[0] & 0x3f3f3f3f, (w[2] & 0x0f0f0f0f) | ((w[0] >> 2) & 0x30303030),
       w[1] & 0x3f3f3f3f, ((w[2] >> 4) & 0x0f0f0f0f) | ((w[1] >> 2) & 0x30303030)};
   std::memcpy(out, unpacked, sizeof unpacked);
+}
+
+// The int8 kernels' loop over a GEMM of M input rows and N weight rows: weight rows in tiles of
+// `tile_rows` (their blocks stay in L1/L2 while every group of up to four input rows passes over
+// them), tiles in parallel. `multiply(std::integral_constant<int, G>(), n, m, out)` puts weight
+// row n's products with input rows [m, m + G) in out[0, G); `store(m, n, value)` keeps one.
+template <typename Multiply, typename Store>
+void over_tiles_of_rows(int64_t M, int64_t N, int64_t tile_rows, Multiply multiply,
+                        Store store) {
+  constexpr int64_t GROUP = 4;
+  at::parallel_for(0, N, tile_rows, [&](int64_t n0, int64_t n1) {
+    for (int64_t tile = n0; tile < n1; tile += tile_rows) {
+      for (int64_t m = 0; m < M; m += GROUP) {
+        const int64_t group = std::min(M - m, GROUP);
+        for (int64_t n = tile; n < std::min(n1, tile + tile_rows); ++n) {
+          float out[GROUP];
+          switch (group) {
+            case 1: multiply(std::integral_constant<int, 1>(), n, m, out); break;
+            case 2: multiply(std::integral_constant<int, 2>(), n, m, out); break;
+            case 3: multiply(std::integral_constant<int, 3>(), n, m, out); break;
+            default: multiply(std::integral_constant<int, 4>(), n, m, out); break;
+          }
+          for (int64_t i = 0; i < group; ++i) store(m + i, n, out[i]);
+        }
+      }
+    }
+  });
 }
 
 // CPUs with AVX2 and FMA but not AVX-512 decode the usual formats with 256-bit vectors

@@ -29,7 +29,6 @@ namespace {
 
 constexpr int64_t BLOCK = 256;  // elements of a K-quant super-block and of its input block
 constexpr int64_t PAIR = 64;    // elements of two Q8_0 blocks, one vector of quants
-constexpr int MAX_GROUP = 4;    // input rows sharing each weight row's decoded quants
 
 // Input rows rounded to int8, per block of `block` inputs: q[m, k] * scale[m, k / block] stands
 // for x[m, k]. q is in the order in which the weight format's vectors meet it; `lanes` holds,
@@ -302,24 +301,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   T* yp = y.data_ptr<T>();
-  at::parallel_for(0, N, TILE_ROWS, [&](int64_t n0, int64_t n1) {
-    for (int64_t tile = n0; tile < n1; tile += TILE_ROWS) {
-      for (int64_t m = 0; m < M; m += MAX_GROUP) {
-        const int64_t group = std::min<int64_t>(M - m, MAX_GROUP);
-        for (int64_t n = tile; n < std::min(n1, tile + TILE_ROWS); ++n) {
-          const uint8_t* row = bp + n * row_bytes;
-          float out[MAX_GROUP];
-          switch (group) {
-            case 1: row_times_inputs<1>(type, row, K, rows.data() + m, out); break;
-            case 2: row_times_inputs<2>(type, row, K, rows.data() + m, out); break;
-            case 3: row_times_inputs<3>(type, row, K, rows.data() + m, out); break;
-            default: row_times_inputs<4>(type, row, K, rows.data() + m, out); break;
-          }
-          for (int64_t i = 0; i < group; ++i) yp[(m + i) * N + n] = T(out[i]);
-        }
-      }
-    }
-  });
+  const auto multiply = [&](auto group, int64_t n, int64_t m, float* out) {
+    row_times_inputs<decltype(group)::value>(type, bp + n * row_bytes, K, rows.data() + m, out);
+  };
+  over_tiles_of_rows(M, N, TILE_ROWS, multiply,
+                     [&](int64_t m, int64_t n, float value) { yp[m * N + n] = T(value); });
   return y;
 }
 

@@ -12,9 +12,6 @@
 #include "ggml_format.h"
 
 #if defined(BRAID_GGML_AVX2)
-#include <ATen/Parallel.h>
-
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -23,9 +20,8 @@
 namespace braid_ggml {
 namespace {
 
-constexpr int64_t SUPER = 256;       // inputs of a K-quant super-block
-constexpr int MAX_GROUP = 4;         // input rows sharing each weight row's unpacked quants
-constexpr int64_t TILE_ROWS = 16;    // weight rows that stay in L1/L2 while the groups pass
+constexpr int64_t SUPER = 256;     // inputs of a K-quant super-block
+constexpr int64_t TILE_ROWS = 16;  // weight rows that stay in L1/L2 while the groups pass
 
 // Input rows rounded to int8: q[m, k] * scale[m, k / block] stands for x[m, k]; `sums` holds
 // the sums of q per `span` inputs (the K-quants' minimums and offsets multiply them).
@@ -266,24 +262,11 @@ at::Tensor avx2_int8_linear(const at::Tensor& x, const at::Tensor& blocks, int64
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, TILE_ROWS, [&](int64_t n0, int64_t n1) {
-    for (int64_t tile = n0; tile < n1; tile += TILE_ROWS) {
-      for (int64_t m = 0; m < M; m += MAX_GROUP) {
-        const int64_t group = std::min<int64_t>(M - m, MAX_GROUP);
-        for (int64_t n = tile; n < std::min(n1, tile + TILE_ROWS); ++n) {
-          const uint8_t* row = bp + n * row_bytes;
-          float out[MAX_GROUP];
-          switch (group) {
-            case 1: row_times_inputs<1>(type, row, K, rows.data() + m, out); break;
-            case 2: row_times_inputs<2>(type, row, K, rows.data() + m, out); break;
-            case 3: row_times_inputs<3>(type, row, K, rows.data() + m, out); break;
-            default: row_times_inputs<4>(type, row, K, rows.data() + m, out); break;
-          }
-          for (int64_t i = 0; i < group; ++i) yp[(m + i) * N + n] = out[i];
-        }
-      }
-    }
-  });
+  const auto multiply = [&](auto group, int64_t n, int64_t m, float* out) {
+    row_times_inputs<decltype(group)::value>(type, bp + n * row_bytes, K, rows.data() + m, out);
+  };
+  over_tiles_of_rows(M, N, TILE_ROWS, multiply,
+                     [&](int64_t m, int64_t n, float value) { yp[m * N + n] = value; });
   return y;
 }
 
