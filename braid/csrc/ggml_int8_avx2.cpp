@@ -24,7 +24,8 @@ constexpr int64_t SUPER = 256;     // inputs of a K-quant super-block
 constexpr int64_t TILE_ROWS = 16;  // weight rows that stay in L1/L2 while the groups pass
 
 // Input rows rounded to int8: q[m, k] * scale[m, k / block] stands for x[m, k]; `sums` holds
-// the sums of q per `span` inputs (the K-quants' minimums and offsets multiply them).
+// the sums of q per `span` inputs (the K-quants' minimums and offsets multiply them; span 0:
+// none, Q8_0 needs no sums).
 struct RoundedInputs {
   int64_t K, block, span;
   std::vector<int8_t> q;
@@ -39,7 +40,8 @@ struct RoundedInputs {
     const int16_t* sums;
   };
   Row row(int64_t m) const {
-    return {q.data() + m * K, scale.data() + m * K / block, sums.data() + m * K / span};
+    return {q.data() + m * K, scale.data() + m * K / block,
+            span ? sums.data() + m * K / span : nullptr};
   }
 };
 
@@ -86,9 +88,10 @@ float round_block(const float* x, int64_t n, int8_t* q) {
 }
 
 RoundedInputs::RoundedInputs(const float* x, int64_t M, int64_t K, int64_t block, int64_t span)
-    : K(K), block(block), span(span), q(M * K), scale(M * K / block), sums(M * K / span) {
+    : K(K), block(block), span(span), q(M * K), scale(M * K / block),
+      sums(span ? M * K / span : 0) {
   for (int64_t i = 0; i < M * K; i += block) scale[i / block] = round_block(x + i, block, &q[i]);
-  for (int64_t s = 0; s < M * K / span; ++s) {
+  for (int64_t s = 0; s < int64_t(sums.size()); ++s) {
     int32_t sum = 0;
     for (int64_t i = 0; i < span; ++i) sum += q[s * span + i];
     sums[s] = int16_t(sum);
@@ -103,11 +106,11 @@ inline __m256i scaled_dot(__m256i quants, const int8_t* inputs, __m256i scales) 
   return _mm256_madd_epi16(pairs, scales);
 }
 
-// Q4_K block: (d scale_j) q - (dmin min_j) for sub-block j of 32, q in 0..15; 32 bytes of
-// quants hold sub-block 2i in their low nibbles and 2i + 1 in their high ones.
 // Index vectors for `vpshufb` that copy 16-bit scale j of a 128-bit half into all its lanes
 inline __m256i scale_picker(int j) { return _mm256_set1_epi16(int16_t(0x0100 + 0x0202 * j)); }
 
+// Q4_K block: (d scale_j) q - (dmin min_j) for sub-block j of 32, q in 0..15; 32 bytes of
+// quants hold sub-block 2i in their low nibbles and 2i + 1 in their high ones.
 template <int MR>
 void q4_k_row(const uint8_t* row, int64_t blocks, const RoundedInputs::Row* in, float out[MR]) {
   const __m256i nibble = _mm256_set1_epi8(15);
@@ -241,7 +244,7 @@ RoundedInputs rounded(const float* x, int64_t M, int64_t K, int64_t type) {
   switch (type) {
     case Q4_K: return RoundedInputs(x, M, K, SUPER, 32);
     case Q6_K: return RoundedInputs(x, M, K, SUPER, 16);
-    default: return RoundedInputs(x, M, K, 32, 32);
+    default: return RoundedInputs(x, M, K, 32, 0);
   }
 }
 
