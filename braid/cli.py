@@ -214,6 +214,11 @@ def _bench_attention_flags(attn: argparse.ArgumentParser) -> None:
     attn.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     attn.add_argument("--repeat", type=int, default=20, help="timed calls per path (median)")
     attn.add_argument("--result-file", default=None, help="append one JSONL row per path")
+    attn.add_argument("--read-rate", action="store_true",
+                      help="instead: the decode operator's KV read rate over a model's worth of "
+                           "layers against a memory read probe, on one rank's cores at --tp")
+    attn.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                      help="--read-rate: the cache's dtype (auto: the queries')")
 
 
 def _bench_comm_flags(comm: argparse.ArgumentParser) -> None:

@@ -189,6 +189,38 @@ def test_every_kv_layout_stores_and_gathers_the_same_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16])
+def test_the_decode_layouts_keep_a_heads_blocks_end_to_end(dtype):
+    """In the layouts the decode operator reads, block b + 1 of a KV head starts where block b
+    of that head ends, so a sequence's blocks allocated in order are one stream per head (the
+    operator read 2 KB pieces at a stride at half the rate)."""
+    from braid.layers import kv_layout
+
+    for layout in (kv_layout.TOKENS_INNERMOST, kv_layout.PAIRS):
+        for cache in kv_layout.allocate(layout, 12, 4, 3, 8, dtype, torch.device("cpu")):
+            block_elements = 4 * 8
+            assert cache.stride(0) == block_elements
+            assert cache.untyped_storage().nbytes() == 12 * 3 * block_elements * dtype.itemsize
+
+
+def test_the_read_rate_bench_times_the_operator_against_the_probe(capsys):
+    """`braid bench-attention --read-rate` prints the probe's rate and the operator's at its
+    shapes (tiny ones here), as fractions of the probe."""
+    from braid.bench import attention, read_rate
+    from braid.layers import decode_kernel
+
+    if not decode_kernel.load():
+        pytest.skip("braid's C++ operators are not built on this host")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(read_rate, "PROBE_BYTES", 1 << 24)
+        patch.setattr(read_rate, "LAYERS", 2)
+        patch.setattr(attention, "READ_RATE_SHAPES", [(2, 48)])
+        for cache_dtype in (torch.float32, torch.int8):
+            attention._print_read_rates(4, 2, 64, torch.float32, cache_dtype, tp=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and all("GB/s" in line for line in lines)
+    assert "decode bs 2, context 48: operator reads" in lines[1] and "% of the probe" in lines[1]
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16])
 def test_a_compiled_step_stores_pairs_where_the_eager_one_does(dtype):
     """The compiled decode step writes the pair layout as eager code does (eager writes paired
     keys through a view of twice the element width, which inductor mishandled)."""

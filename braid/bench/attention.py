@@ -121,6 +121,10 @@ def run_bench_attention(args: argparse.Namespace) -> None:
     config = load_model_config(args.model or default_model_path())
     dtype = DTYPES[resolve_dtype(args.dtype)]
     shard = partition_heads(config.num_heads, config.num_kv_heads, args.tp)[0]
+    if args.read_rate:
+        cache_dtype = torch.int8 if args.kv_cache_dtype == "int8" else dtype
+        return _print_read_rates(shard.kv_count * shard.group_size, shard.kv_count,
+                                 config.head_dim, dtype, cache_dtype, args.tp)
     # A rank holding part of a KV group attends per uniformly grouped run; time the largest.
     _, heads, _, kv_heads = max(shard.runs(), key=lambda run: run[1])
     dim = config.head_dim
@@ -144,3 +148,26 @@ def run_bench_attention(args: argparse.Namespace) -> None:
                                             "speedup_vs_sdpa_padded": ratio,
                                             "dtype": str(dtype).removeprefix("torch."),
                                             "tp": args.tp}) + "\n")
+
+
+READ_RATE_SHAPES = [(32, 256), (32, 1024), (8, 4096)]
+
+
+def _print_read_rates(heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
+                      cache_dtype: torch.dtype, tp: int) -> None:
+    """The decode operator's read rate at `READ_RATE_SHAPES` against the probe's, on the cores
+    of one rank at `tp` (`braid.bench.read_rate`)."""
+    from braid.bench.read_rate import operator_read_rate, probe_read_rate
+
+    if not decode_kernel.load():
+        raise SystemExit("braid's C++ operators could not be built: no decode operator to time")
+    torch.set_num_threads(max(1, len(usable_cores()) // tp))
+    probe = probe_read_rate()
+    print(f"rank 0 at tp {tp}: {kv_heads} KV heads of dim {dim} ({heads} query heads), {dtype} "
+          f"queries, {cache_dtype} cache, {torch.get_num_threads()} threads; memory read probe "
+          f"{probe:.1f} GB/s")
+    with torch.inference_mode():
+        for batch, context in READ_RATE_SHAPES:
+            rate = operator_read_rate(batch, context, heads, kv_heads, dim, dtype, cache_dtype)
+            print(f"decode bs {batch}, context {context}: operator reads {rate:.1f} GB/s, "
+                  f"{rate / probe:.0%} of the probe", flush=True)

@@ -533,11 +533,12 @@ Geometry geometry_of(const at::Tensor& k, const at::Tensor& v) {
 }
 
 // q: [B, Hq, D]; k_cache, v_cache: [blocks, bs, Hk, D] views whose keys are stored
-// [blocks, Hk, D, bs] and values [blocks, Hk, bs, D] (PagedAttention.allocate_cache,
-// tokens_innermost), of q's dtype or int8, or int8 in the pair layout (`geometry_of`);
-// k_scales, v_scales (int8 caches only): [blocks, bs, Hk] float views stored [blocks, Hk, bs],
-// one per token and head (a value is its int8 times its scale); block_tables: [B, W];
-// seq_lens: [B], each 1 to W * bs.
+// [Hk, blocks, D, bs] and values [Hk, blocks, bs, D] (kv_layout.allocate, tokens_innermost:
+// heads outermost, so that a sequence's blocks in order are one stream per head; blocks and
+// heads are read through their strides), of q's dtype or int8, or int8 or bf16 in the pair
+// layout (`geometry_of`); k_scales, v_scales (int8 caches only): [blocks, bs, Hk] float views
+// stored [Hk, blocks, bs], one per token and head (a value is its int8 times its scale);
+// block_tables: [B, W]; seq_lens: [B], each 1 to W * bs.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache,
                                   const c10::optional<at::Tensor>& k_scales,

@@ -219,10 +219,10 @@ def padded_decode(kernel: Callable[..., torch.Tensor], q: torch.Tensor, *args: o
 def row_scales(num_blocks: int, block_size: int, heads: int, device: torch.device,
                tokens_innermost: bool = False) -> torch.Tensor:
     """Zeroed float32 scales of an int8 cache, indexed `[num_blocks, block_size, heads]`; stored
-    `[num_blocks, heads, block_size]` when `tokens_innermost`, as the decode kernel reads them
-    next to the keys."""
+    `[heads, num_blocks, block_size]` when `tokens_innermost`, as the decode kernel reads them
+    beside the keys (`kv_layout`: heads outermost)."""
     if tokens_innermost:
-        return torch.zeros(num_blocks, heads, block_size, device=device).permute(0, 2, 1)
+        return torch.zeros(heads, num_blocks, block_size, device=device).permute(1, 2, 0)
     return torch.zeros(num_blocks, block_size, heads, device=device)
 
 

@@ -5,16 +5,22 @@ Three layouts, each indexed by block, then slot within the block:
 
 - `TOKEN_MAJOR` (prompt steps, GPUs): `[num_blocks, block_size, heads, head_dim]`, contiguous.
 - `TOKENS_INNERMOST` (decode steps that read the cache through `decode_kernel`'s operator, or
-  compile): views of that shape over keys stored `[blocks, heads, head_dim, block_size]` and
-  values stored `[blocks, heads, block_size, head_dim]`.
+  compile): views of that shape over keys stored `[heads, blocks, head_dim, block_size]` and
+  values stored `[heads, blocks, block_size, head_dim]`.
 - `PAIRS` (an int8 cache read by the operator on a CPU with AVX512-VNNI, a bf16 one on a CPU
   with AVX512-BF16): as `TOKENS_INNERMOST`, but keys keep two head dims of a token side by
-  side (`[blocks, heads, head_dim / 2, block_size, 2]`) and values two tokens of a dimension
-  (`[blocks, heads, block_size / 2, head_dim, 2]`), so that one dot-product instruction
+  side (`[heads, blocks, head_dim / 2, block_size, 2]`) and values two tokens of a dimension
+  (`[heads, blocks, block_size / 2, head_dim, 2]`), so that one dot-product instruction
   (int16 pairs, or bf16 pairs) takes 16 such pairs. No strided view of `[num_blocks,
   block_size, heads, head_dim]` indexes that, so the tensors carry the pairs as axes: keys
   `[blocks, block_size / 2, 2, heads, head_dim / 2, 2]` and values `[blocks, block_size / 2,
   2, heads, head_dim]`, token `t` at `[t // 2, t % 2]`.
+
+The last two store heads outermost: a sequence's blocks, allocated in order, then lie end to
+end for each KV head, and the decode operator reads a (sequence, KV head) as one stream. Stored
+blocks outermost, a head's part of a block was a piece of 2 KB (bf16, 16 tokens of 64 dims)
+every few KB, and the operator read the cache at half the rate (`braid bench-attention
+--read-rate`).
 """
 
 from __future__ import annotations
@@ -37,12 +43,12 @@ def allocate(layout: str, num_blocks: int, block_size: int, heads: int, head_dim
         shape = (blocks, block_size, heads, head_dim)
         return zeros(*shape), zeros(*shape)
     if layout == TOKENS_INNERMOST:
-        keys = zeros(blocks, heads, head_dim, block_size).permute(0, 3, 1, 2)
-        return keys, zeros(blocks, heads, block_size, head_dim).permute(0, 2, 1, 3)
+        keys = zeros(heads, blocks, head_dim, block_size).permute(1, 3, 0, 2)
+        return keys, zeros(heads, blocks, block_size, head_dim).permute(1, 2, 0, 3)
     if (layout == PAIRS and dtype in (torch.int8, torch.bfloat16)
             and block_size % 2 == head_dim % 2 == 0):
-        keys = zeros(blocks, heads, head_dim // 2, pairs, 2, 2).permute(0, 3, 4, 1, 2, 5)
-        return keys, zeros(blocks, heads, pairs, head_dim, 2).permute(0, 2, 4, 1, 3)
+        keys = zeros(heads, blocks, head_dim // 2, pairs, 2, 2).permute(1, 3, 4, 0, 2, 5)
+        return keys, zeros(heads, blocks, pairs, head_dim, 2).permute(1, 2, 4, 0, 3)
     raise ValueError(f"no KV cache layout {layout!r} for {dtype}, block size {block_size}, "
                      f"head dim {head_dim}")
 
