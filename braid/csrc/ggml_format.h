@@ -61,25 +61,34 @@ inline void unpack_scales_k4(const uint8_t* packed, uint8_t out[16]) {
 
 // The int8 kernels' loop over a GEMM of M input rows and N weight rows: weight rows in tiles of
 // `tile_rows` (their blocks stay in L1/L2 while every group of up to four input rows passes over
-// them), tiles in parallel. `multiply(std::integral_constant<int, G>(), n, m, out)` puts weight
-// row n's products with input rows [m, m + G) in out[0, G); `store(m, n, value)` keeps one.
-template <typename Multiply, typename Store>
+// them), tiles in parallel, WEIGHT_ROWS weight rows at a time within a tile (one for its last
+// rows where they do not divide it). `multiply(std::integral_constant<int, G>(),
+// std::integral_constant<int, R>(), n, m, out)` puts the products of weight rows [n, n + R)
+// with input rows [m, m + G) in out[0, R)[0, G); `store(m, n, value)` keeps one.
+template <int WEIGHT_ROWS, typename Multiply, typename Store>
 void over_tiles_of_rows(int64_t M, int64_t N, int64_t tile_rows, Multiply multiply,
                         Store store) {
   constexpr int64_t GROUP = 4;
   at::parallel_for(0, N, tile_rows, [&](int64_t n0, int64_t n1) {
     for (int64_t tile = n0; tile < n1; tile += tile_rows) {
+      const int64_t tile_end = std::min(n1, tile + tile_rows);
       for (int64_t m = 0; m < M; m += GROUP) {
         const int64_t group = std::min(M - m, GROUP);
-        for (int64_t n = tile; n < std::min(n1, tile + tile_rows); ++n) {
-          float out[GROUP];
-          switch (group) {
-            case 1: multiply(std::integral_constant<int, 1>(), n, m, out); break;
-            case 2: multiply(std::integral_constant<int, 2>(), n, m, out); break;
-            case 3: multiply(std::integral_constant<int, 3>(), n, m, out); break;
-            default: multiply(std::integral_constant<int, 4>(), n, m, out); break;
-          }
-          for (int64_t i = 0; i < group; ++i) store(m + i, n, out[i]);
+        for (int64_t n = tile; n < tile_end;) {
+          float out[WEIGHT_ROWS][GROUP];
+          const auto rows_of = [&](auto weight_rows) {
+            switch (group) {
+              case 1: multiply(std::integral_constant<int, 1>(), weight_rows, n, m, out); break;
+              case 2: multiply(std::integral_constant<int, 2>(), weight_rows, n, m, out); break;
+              case 3: multiply(std::integral_constant<int, 3>(), weight_rows, n, m, out); break;
+              default: multiply(std::integral_constant<int, 4>(), weight_rows, n, m, out); break;
+            }
+            for (int64_t r = 0; r < decltype(weight_rows)::value; ++r)
+              for (int64_t i = 0; i < group; ++i) store(m + i, n + r, out[r][i]);
+            n += decltype(weight_rows)::value;
+          };
+          if (n + WEIGHT_ROWS <= tile_end) rows_of(std::integral_constant<int, WEIGHT_ROWS>());
+          else rows_of(std::integral_constant<int, 1>());
         }
       }
     }

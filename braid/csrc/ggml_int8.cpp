@@ -252,38 +252,51 @@ void q6_k_row(const uint8_t* row, int64_t blocks, const QuantizedInput::Row* in,
 
 // Q8_0 block: d q for 32 signed quants. `vpdpbusd` wants one operand unsigned: the quants
 // enter as q + 128 (their top bit flipped) and each block's sums start from -128 times its
-// inputs' sum (QuantizedInput's lanes), so the integer sums are exactly sum q x.
-template <int MR>
-void q8_0_row(const uint8_t* row, int64_t K, const QuantizedInput::Row* in, float out[MR]) {
+// inputs' sum (QuantizedInput's lanes), so the integer sums are exactly sum q x. NR weight rows
+// share each load of the inputs; each row's products are summed as they are alone.
+template <int MR, int NR>
+void q8_0_rows(const uint8_t* row, int64_t row_bytes, int64_t K, const QuantizedInput::Row* in,
+               float out[NR][4]) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  __m512 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += PAIR) {
-    const uint8_t* first = row + k / 32 * 34;
-    const uint8_t* second = first + 34;
-    const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(half_at(first)),
-                                        _mm256_set1_ps(half_at(second)), 1);
-    const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + 2));
-    const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + 2));
-    const __m512i quants = _mm512_xor_si512(
-        _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1), flip);
+    __m512 d[NR];
+    __m512i quants[NR];
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* first = row + r * row_bytes + k / 32 * 34;
+      const uint8_t* second = first + 34;
+      d[r] = _mm512_insertf32x8(_mm512_set1_ps(half_at(first)),
+                                _mm256_set1_ps(half_at(second)), 1);
+      const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + 2));
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + 2));
+      quants[r] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1),
+                                   flip);
+    }
     for (int m = 0; m < MR; ++m) {
-      const __m512i sum = _mm512_dpbusd_epi32(_mm512_loadu_si512(in[m].lanes + k / 4), quants,
-                                              _mm512_loadu_si512(in[m].q + k));
-      const __m512 scales = _mm512_mul_ps(d, _mm512_loadu_ps(in[m].lane_scales + k / 4));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scales, acc[m]);
+      const __m512i offsets = _mm512_loadu_si512(in[m].lanes + k / 4);
+      const __m512i inputs = _mm512_loadu_si512(in[m].q + k);
+      const __m512 input_scales = _mm512_loadu_ps(in[m].lane_scales + k / 4);
+      for (int r = 0; r < NR; ++r) {
+        const __m512i sum = _mm512_dpbusd_epi32(offsets, quants[r], inputs);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d[r], input_scales),
+                                    acc[r][m]);
+      }
     }
   }
-  for (int m = 0; m < MR; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-template <int MR>
-void row_times_inputs(int64_t type, const uint8_t* row, int64_t K,
-                      const QuantizedInput::Row* in, float out[MR]) {
-  switch (type) {
-    case Q4_K: return q4_k_row<MR>(row, K / BLOCK, in, out);
-    case Q6_K: return q6_k_row<MR>(row, K / BLOCK, in, out);
-    default: return q8_0_row<MR>(row, K, in, out);
+// Weight rows [n, n + NR) times input rows [m, m + MR): out[r][i] for row n + r, input m + i.
+template <int MR, int NR>
+void rows_times_inputs(int64_t type, const uint8_t* row, int64_t row_bytes, int64_t K,
+                       const QuantizedInput::Row* in, float out[NR][4]) {
+  if (type == Q8_0) return q8_0_rows<MR, NR>(row, row_bytes, K, in, out);
+  for (int r = 0; r < NR; ++r) {
+    if (type == Q4_K) q4_k_row<MR>(row + r * row_bytes, K / BLOCK, in, out[r]);
+    else q6_k_row<MR>(row + r * row_bytes, K / BLOCK, in, out[r]);
   }
 }
 
@@ -301,10 +314,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   T* yp = y.data_ptr<T>();
-  const auto multiply = [&](auto group, int64_t n, int64_t m, float* out) {
-    row_times_inputs<decltype(group)::value>(type, bp + n * row_bytes, K, rows.data() + m, out);
+  const auto multiply = [&](auto group, auto weight_rows, int64_t n, int64_t m,
+                            float (*out)[4]) {
+    rows_times_inputs<decltype(group)::value, decltype(weight_rows)::value>(
+        type, bp + n * row_bytes, row_bytes, K, rows.data() + m, out);
   };
-  over_tiles_of_rows(M, N, TILE_ROWS, multiply,
+  over_tiles_of_rows<2>(M, N, TILE_ROWS, multiply,
                      [&](int64_t m, int64_t n, float value) { yp[m * N + n] = T(value); });
   return y;
 }

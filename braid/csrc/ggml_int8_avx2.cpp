@@ -265,10 +265,12 @@ at::Tensor avx2_int8_linear(const at::Tensor& x, const at::Tensor& blocks, int64
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const auto multiply = [&](auto group, int64_t n, int64_t m, float* out) {
-    row_times_inputs<decltype(group)::value>(type, bp + n * row_bytes, K, rows.data() + m, out);
+  const auto multiply = [&](auto group, auto /* one weight row */, int64_t n, int64_t m,
+                            float (*out)[4]) {
+    row_times_inputs<decltype(group)::value>(type, bp + n * row_bytes, K, rows.data() + m,
+                                             out[0]);
   };
-  over_tiles_of_rows(M, N, TILE_ROWS, multiply,
+  over_tiles_of_rows<1>(M, N, TILE_ROWS, multiply,
                      [&](int64_t m, int64_t n, float value) { yp[m * N + n] = value; });
   return y;
 }
