@@ -80,9 +80,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serving(args: argparse.Namespace) -> None:
-    from braid.bench.serving import ServingConfig, run_bench_serving
+    from braid.bench.serving import ServingConfig, run_bench_serving, run_concurrency_table
 
-    run_bench_serving(from_arguments(ServingConfig, args))
+    config = from_arguments(ServingConfig, args)
+    if config.preset == "concurrency-table":
+        run_concurrency_table(config)
+    else:
+        run_bench_serving(config)
 
 
 def cmd_bench_offline(args: argparse.Namespace) -> None:

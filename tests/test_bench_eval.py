@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from server_utils import free_port
 
 from braid.bench.datasets import Dataset, sample_requests
-from braid.bench.serving import ServingConfig, run_bench_serving
+from braid.bench.serving import ServingConfig, run_bench_serving, run_concurrency_table
 from braid.errors import UserError
 from braid.eval.mmlu import format_example, load_questions, subject_header
 from braid.loader.tokenizer import apply_chat_template
@@ -128,6 +128,24 @@ def test_bench_serving_compares_each_request_with_a_baseline_run(stub_server, tm
     with pytest.raises(UserError, match="its requests are not these"):
         run_bench_serving(replace(config, baseline_file=str(base),
                                   dataset=replace(dataset, random_input_len=13)))
+
+
+def test_the_concurrency_table_preset_runs_its_two_loads_and_prints_their_row(stub_server,
+                                                                             capsys):
+    """--preset concurrency-table: 16 prompts at concurrency 1, then 64 at 32, random ids of
+    exactly 256 tokens asking 64 each, whatever the dataset flags said; one markdown row."""
+    config = ServingConfig(base_url=stub_server, dataset=Dataset(num_prompts=3),
+                           warmup_requests=0, disable_tqdm=True, tag="stub server",
+                           preset="concurrency-table")
+    rows = run_concurrency_table(config)
+    assert [(r["num_prompts"], r["max_concurrency"]) for r in rows] == [(16, 1), (64, 32)]
+    assert all(r["random_input_len"] == 256 and r["random_output_len"] == 64 for r in rows)
+    assert all(r["total_input_tokens"] == 256 * r["completed"] for r in rows)
+    table = capsys.readouterr().out.splitlines()[-3:]
+    assert table[0] == ("| server | C 1 out tok/s | C 1 mean ITL | C 32 out tok/s | "
+                        "C 32 mean ITL |")
+    cells = table[2].split(" | ")
+    assert cells[0] == "| stub server" and cells[2].endswith(" ms") and len(cells) == 5
 
 
 def test_copy_edit_asks_to_rename_a_name_of_its_snippet_within_the_lengths(tokenizer):

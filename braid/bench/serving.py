@@ -32,6 +32,9 @@ from braid.settings import check, setting
 
 BACKENDS = ("braid", "sglang-oai", "vllm", "openai")
 PERCENTILES = (90, 95, 99)
+# `--preset concurrency-table`: the runs of the tensor-parallel comparison (docs/performance.md),
+# (prompts, concurrency) of random ids, 256 in and 64 out, exact lengths
+CONCURRENCY_TABLE = ((16, 1), (64, 32))
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,10 @@ class ServingConfig:
         "decode rate against it (ratios, their median and least) and how many texts match",
         metavar="F.jsonl")
     tag: str | None = setting(None, "a label for this run in the JSON line (and in braid plot)")
+    preset: str | None = setting(
+        None, "concurrency-table: instead of one run, 16 random-id prompts of 256 tokens (64 "
+        "out) at concurrency 1, then 64 at 32, and one markdown row of output tok/s and mean "
+        "ITL at each (the dataset flags are set for it)", choices=("concurrency-table",))
     timeout_s: float = 3600.0  # one request's longest wait
 
     def __post_init__(self) -> None:
@@ -394,6 +401,23 @@ def run_counts(before: dict[str, float], after: dict[str, float]) -> dict:
                               if key.startswith("path:") and count > 0},
             "spec_draft_tokens": drafted, "spec_accepted_tokens": accepted,
             "spec_acceptance_rate": accepted / drafted if drafted else None}
+
+
+def run_concurrency_table(config: ServingConfig) -> list[dict]:
+    """`--preset concurrency-table`: the `CONCURRENCY_TABLE` runs, one after the other, then
+    their row of the comparison table (the server named by `--tag`, else its URL)."""
+    rows = []
+    for prompts, concurrency in CONCURRENCY_TABLE:
+        dataset = replace(config.dataset, dataset_name="random-ids", num_prompts=prompts,
+                          random_input_len=256, random_output_len=64, random_range_ratio=1.0)
+        rows.append(run_bench_serving(replace(
+            config, preset=None, dataset=dataset, max_concurrency=concurrency,
+            request_rate=float("inf"), tokenize_prompt=True)))
+    cells = [f"{row['output_throughput']:.1f} | {row['mean_itl_ms']:.1f} ms" for row in rows]
+    header = " | ".join(f"C {c} out tok/s | C {c} mean ITL" for _, c in CONCURRENCY_TABLE)
+    print(f"\n| server | {header} |\n|---|{'---:|' * 2 * len(rows)}\n"
+          f"| {config.tag or config.base_url} | {' | '.join(cells)} |")
+    return rows
 
 
 def run_bench_serving(config: ServingConfig) -> dict:
