@@ -289,7 +289,10 @@ void q8_0_rows(const uint8_t* row, int64_t row_bytes, int64_t K, const Quantized
     for (int m = 0; m < MR; ++m) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-// Weight rows [n, n + NR) times input rows [m, m + MR): out[r][i] for row n + r, input m + i.
+// Weight rows [n, n + NR) times input rows [m, m + MR) (MR at most over_tiles_of_rows' group of
+// four): out[r][i] for row n + r, input m + i. Q8_0's rows share the inputs' loads; the
+// K-quants go row by row (two rows' unpacked quants and lane scales take 16 registers, and
+// sharing did not pay: docs/kernel-choices.md).
 template <int MR, int NR>
 void rows_times_inputs(int64_t type, const uint8_t* row, int64_t row_bytes, int64_t K,
                        const QuantizedInput::Row* in, float out[NR][4]) {
