@@ -16,13 +16,14 @@ import time
 
 import torch
 
+from braid.config import KVCacheConfig
 from braid.layers import decode_kernel, kv_layout
 from braid.layers.attention import row_scales
 from braid.worker.kernels import cache_layout
 
 PROBE_BYTES = 1 << 30
 LAYERS = 30
-BLOCK_SIZE = 16
+BLOCK_SIZE = KVCacheConfig().block_size  # the engine's default
 
 
 def probe_read_rate(repeat: int = 5) -> float:
