@@ -25,6 +25,7 @@ from braid.engine.speculation import (
     SequenceSpeculation,
     Speculator,
     StepTimes,
+    step_times_file,
 )
 from braid.errors import UserError
 
@@ -203,6 +204,33 @@ def test_the_depth_cap_weighs_expected_tokens_against_measured_step_times():
         times.observe(rows, seconds)
     # The least-squares line through the medians of 4, 8, 12 and 16 rows: 4.75 ms a row
     assert times.estimate(np.array([2, 20])).tolist() == pytest.approx([0.0095, 0.095])
+
+
+def test_a_new_launch_weighs_drafts_by_the_step_times_the_last_one_kept(tmp_path):
+    """`Speculator.save` keeps the step times; a speculator started on the same file weighs
+    its first drafts by them (no "try it all"), and a file that does not read as step times
+    is as none."""
+    times_file = tmp_path / "speculation" / "times.json"
+    first = Speculator(OracleProposer(), 8, times_file)
+    for rows in (32, 64, 128, 320) * 3:  # compute-bound: drafts do not pay
+        first.observe_step(rows, 0.010 + rows * 0.001)
+    first.save()
+    second = Speculator(OracleProposer(), 8, times_file)
+    assert second.times.samples() == first.times.samples()
+    assert second._best_cap(32, [0.5] * 32, [8] * 32) == 0
+    times_file.write_text("not step times")
+    assert Speculator(OracleProposer(), 8, times_file)._best_cap(32, [0.5] * 32, [8] * 32) == 8
+
+
+def test_step_times_are_kept_per_model_and_settings(tmp_path, monkeypatch, model_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    config = EngineConfig.create(model=model_path, speculative="ngram")
+    assert step_times_file(config) == step_times_file(EngineConfig.create(
+        model=model_path, speculative="ngram"))
+    assert step_times_file(config).is_relative_to(tmp_path)
+    for other in (dict(tp=2), dict(dtype="fp32"), dict(max_total_tokens=4096)):
+        assert step_times_file(EngineConfig.create(model=model_path, speculative="ngram",
+                                                   **other)) != step_times_file(config)
 
 
 class FixedProposer:

@@ -26,7 +26,7 @@ from braid.engine.kv_cache import BlockManager
 from braid.engine.plan import SequenceRows, build_plan
 from braid.engine.request import Request, SamplingParams, Sequence, check_request
 from braid.engine.scheduler import Scheduler
-from braid.engine.speculation import NgramProposer, Speculator
+from braid.engine.speculation import NgramProposer, Speculator, step_times_file
 from braid.engine.stats import EngineStats, RankMemory
 from braid.engine.step_choice import StepChooser, describe, step_bucket, step_settings
 from braid.errors import UserError, request_failure
@@ -90,12 +90,13 @@ class EngineCore:
         self.speculator = None
         if config.speculative.method == "ngram":
             proposer = NgramProposer(config.speculative.ngram_min, config.speculative.ngram_max)
-            self.speculator = Speculator(proposer, config.speculative.num_tokens)
+            self.speculator = Speculator(proposer, config.speculative.num_tokens,
+                                         step_times_file(config))
         elif config.speculative.method == "draft":
             from braid.engine.draft import DraftProposer  # loads a model: only where asked
 
             self.speculator = Speculator(DraftProposer(config, model_config),
-                                         config.speculative.num_tokens)
+                                         config.speculative.num_tokens, step_times_file(config))
 
     def compile_steps(self, job_tokens: int | None = None) -> None:
         """Compile (or load saved) steps where `--compile` asks for them: `on` at once, `auto`
@@ -125,7 +126,9 @@ class EngineCore:
         return self.scheduler.has_work
 
     def close(self) -> None:
-        """Stop the executor (the rank processes)."""
+        """Stop the executor (the rank processes); keep what speculation measured."""
+        if self.speculator is not None:
+            self.speculator.save()
         self.executor.close()
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -21,10 +21,12 @@ accepted by the scheduler (`Scheduler._record_tokens`); this module only propose
   large batch on a compute-bound host rows cost what tokens are worth and speculation switches
   itself off. With one count timed, a count up to twice it is assumed to cost the same (beyond, in
   proportion), so it is tried, timed, and from then on weighed; the timings age out of the window,
-  so a choice is re-probed as the load changes. A new sequence starts from the rate of the
-  sequences before it (a new random-text request does not propose 16 tokens just to learn it
-  should not), and a sequence, like that shared rate, drifts back toward 0.5 while it does not
-  propose, so text that turns repetitive later is tried again.
+  so a choice is re-probed as the load changes. The window outlasts the launch: it is kept in
+  braid's cache per model, settings and host (`step_times_file`), so a new server weighs its
+  first drafts by the times measured before instead of trying long ones. A new sequence starts
+  from the rate of the sequences before it (a new random-text request does not propose 16
+  tokens just to learn it should not), and a sequence, like that shared rate, drifts back
+  toward 0.5 while it does not propose, so text that turns repetitive later is tried again.
 - **A ledger per sequence.** The expectation can be wrong for one request (its drafts accepted
   less than its rate says, its rows dearer than the line), so each sequence also keeps what its
   verified drafts earned and cost, in seconds: its accepted tokens at the plain cost of a
@@ -37,13 +39,22 @@ accepted by the scheduler (`Scheduler._record_tokens`); this module only propose
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import warnings
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+import torch
 
+from braid.cache import CacheWarning, cache_root, code_version
+from braid.config import EngineConfig
 from braid.engine.request import Sequence
+from braid.platform import isa_flags, usable_cores
 
 PRIOR_RATE = 0.5  # the acceptance rate before any draft was verified
 DECAY = 0.8  # per verified step: the rate follows the last few steps' text
@@ -182,16 +193,21 @@ class SequenceSpeculation:
 
 class StepTimes:
     """Decode step time as a line in the row count, fitted to the medians of the counts timed
-    at least `MIN_TIMINGS` times over the latest `TIMES_WINDOW` decode steps."""
+    at least `MIN_TIMINGS` times over the latest `TIMES_WINDOW` decode steps (`saved`: a
+    previous launch's, `samples()`, which the new steps then replace)."""
 
-    def __init__(self) -> None:
-        self._steps: deque[tuple[int, float]] = deque(maxlen=TIMES_WINDOW)
+    def __init__(self, saved: list[tuple[int, float]] = ()) -> None:
+        self._steps: deque[tuple[int, float]] = deque(saved, maxlen=TIMES_WINDOW)
         self._line: tuple[float, float, float | None] | None = None  # `_fit`'s
-        self._new = 0  # steps timed since the line was fitted
+        self._new = len(self._steps)  # steps timed since the line was fitted
 
     def observe(self, rows: int, seconds: float) -> None:
         self._steps.append((rows, seconds))
         self._new += 1
+
+    def samples(self) -> list[tuple[int, float]]:
+        """The timed steps in the window, oldest first: (rows, seconds)."""
+        return list(self._steps)
 
     def estimate(self, rows: np.ndarray) -> np.ndarray | None:
         """Expected seconds of a step of each row count (None before a count was timed
@@ -226,12 +242,16 @@ class StepTimes:
 
 
 class Speculator:
-    """Sets each decoding sequence's draft before the scheduler plans a step."""
+    """Sets each decoding sequence's draft before the scheduler plans a step. `times_file`:
+    where the step times are kept between launches (`step_times_file`), so that a new server
+    weighs its first drafts by what it measured before instead of trying long ones."""
 
-    def __init__(self, proposer: Proposer, max_tokens: int) -> None:
+    def __init__(self, proposer: Proposer, max_tokens: int,
+                 times_file: Path | None = None) -> None:
         self.proposer = proposer
         self.max_tokens = max_tokens
-        self.times = StepTimes()
+        self.times_file = times_file
+        self.times = StepTimes(load_step_times(times_file) if times_file else [])
         self.traffic = AcceptanceRate()  # every sequence's verified proposals
         self._drafted = 0  # draft rows of the step last proposed for
         self._last_step: tuple[int, float] | None = None  # its rows and seconds, once timed
@@ -309,3 +329,38 @@ class Speculator:
         """A decode step of `rows` rows (sequences plus draft tokens) took `seconds`."""
         self.times.observe(rows, seconds)
         self._last_step = rows, seconds
+
+    def save(self) -> None:
+        """Keep the step times in `times_file` for the next launch (a warning if it cannot)."""
+        if self.times_file is None or not self.times.samples():
+            return
+        try:
+            self.times_file.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.times_file.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(self.times.samples()))
+            os.replace(partial, self.times_file)  # a reader sees the old file or the new one
+        except OSError as e:
+            warnings.warn(f"speculation: cannot keep the step times in {self.times_file}: {e}",
+                          CacheWarning, stacklevel=2)
+
+
+def step_times_file(config: EngineConfig) -> Path:
+    """Where a launch with these settings keeps its decode step times on this host: keyed by
+    everything that sets a step's time (braid's code, torch, the CPU and its threads, the
+    model's file or files, every engine setting)."""
+    model = Path(config.model).resolve()
+    files = sorted(p for p in model.iterdir() if p.is_file()) if model.is_dir() else [model]
+    identity = {"braid": code_version(), "torch": torch.__version__, "isa": isa_flags(),
+                "cores": len(usable_cores()),
+                "model": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+                "settings": asdict(config)}
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
+    return cache_root() / "speculation" / f"{key.hexdigest()[:24]}.json"
+
+
+def load_step_times(path: Path) -> list[tuple[int, float]]:
+    """A launch's saved step times; none where there is no file or it does not read as one."""
+    try:
+        return [(int(rows), float(seconds)) for rows, seconds in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError):
+        return []
