@@ -68,6 +68,14 @@ def code_version() -> str:
     return f"{braid_version()}+{code.hexdigest()[:12]}"
 
 
+def model_identity(path: str | Path) -> list:
+    """Path, size and modification time of a model file, or of every file in a model folder:
+    what keys the entries that a model's weights shape (compiled graphs, step times)."""
+    path = Path(path).resolve()
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+
+
 def entry_key(source: str | Path, kind: str, variant: str = "") -> str:
     """Key of `source`'s `kind` entry: changes with the file, its header, braid's version."""
     path = Path(source).resolve()

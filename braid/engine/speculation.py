@@ -51,7 +51,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from braid.cache import CacheWarning, cache_root, code_version
+from braid.cache import CacheWarning, cache_root, code_version, model_identity
 from braid.config import EngineConfig
 from braid.engine.request import Sequence
 from braid.platform import isa_flags, usable_cores
@@ -348,11 +348,8 @@ def step_times_file(config: EngineConfig) -> Path:
     """Where a launch with these settings keeps its decode step times on this host: keyed by
     everything that sets a step's time (braid's code, torch, the CPU and its threads, the
     model's file or files, every engine setting)."""
-    model = Path(config.model).resolve()
-    files = sorted(p for p in model.iterdir() if p.is_file()) if model.is_dir() else [model]
     identity = {"braid": code_version(), "torch": torch.__version__, "isa": isa_flags(),
-                "cores": len(usable_cores()),
-                "model": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+                "cores": len(usable_cores()), "model": model_identity(config.model),
                 "settings": asdict(config)}
     key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
     return cache_root() / "speculation" / f"{key.hexdigest()[:24]}.json"

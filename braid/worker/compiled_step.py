@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from braid.cache import cache_root, code_version
+from braid.cache import cache_root, code_version, model_identity
 from braid.compiler import configure_compiler
 from braid.config import EngineConfig
 from braid.layers.forward_batch import DECODE_MIN_BLOCKS, ForwardBatch
@@ -281,20 +281,13 @@ def graph_cache_key(engine: EngineConfig, model_path: str, rank: int, world_size
     identity = {
         "braid": code_version(), "torch": torch.__version__,
         "isa": torch.backends.cpu.get_cpu_capability(), "flags": isa_flags(),
-        "threads": torch.get_num_threads(), "model": _file_identity(Path(model_path)),
+        "threads": torch.get_num_threads(), "model": model_identity(model_path),
         "rank": rank, "world_size": world_size, "comm": engine.parallel.comm,
         "dtype": engine.dtype, "kv_cache_dtype": engine.kv_cache.kv_cache_dtype,
         "quantization": engine.compile.quantization, "block_inputs": engine.compile.block_inputs,
         "block_size": engine.kv_cache.block_size, "kv_blocks": kv_blocks, "packed": packed,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def _file_identity(path: Path) -> list:
-    """Path, size and modification time of a model file, or of every file in a model folder."""
-    path = path.resolve()
-    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
-    return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
 def elapsed(start: float) -> str:
