@@ -76,6 +76,19 @@ def model_identity(path: str | Path) -> list:
     return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
+def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` into a temporary sibling of `path`, then renamed over it: concurrent ranks
+    and launches never read half a file. A failed write removes the temporary and raises."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def entry_key(source: str | Path, kind: str, variant: str = "") -> str:
     """Key of `source`'s `kind` entry: changes with the file, its header, braid's version."""
     path = Path(source).resolve()

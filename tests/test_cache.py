@@ -12,7 +12,14 @@ import pytest
 import torch
 from conftest import PROMPTS
 
-from braid.cache import CacheWarning, cache_root, cached, entry_dir, find_entry
+from braid.cache import (
+    CacheWarning,
+    cache_root,
+    cached,
+    entry_dir,
+    find_entry,
+    replace_atomically,
+)
 from braid.loader.gguf import iterate_gguf
 from braid.loader.model_config import load_model_config
 from braid.loader.tokenizer import apply_chat_template, load_tokenizer
@@ -157,3 +164,18 @@ def test_keys_carry_the_installed_version_and_the_deriving_code():
 
     release, code = braid_version().split("+")
     assert release != "unknown" and len(code) == 12
+
+
+def test_a_replaced_file_is_old_or_new_never_half_written(tmp_path):
+    """`replace_atomically`: the new content appears whole; a write that fails leaves the old
+    file as it was and no temporary beside it."""
+    path = tmp_path / "deeper" / "times.json"
+    replace_atomically(path, lambda tmp: tmp.write_text("old"))
+
+    def failing(tmp):
+        tmp.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        replace_atomically(path, failing)
+    assert path.read_text() == "old" and [p.name for p in path.parent.iterdir()] == ["times.json"]

@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import warnings
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -51,7 +51,13 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from braid.cache import CacheWarning, cache_root, code_version, model_identity
+from braid.cache import (
+    CacheWarning,
+    cache_root,
+    code_version,
+    model_identity,
+    replace_atomically,
+)
 from braid.config import EngineConfig
 from braid.engine.request import Sequence
 from braid.platform import isa_flags, usable_cores
@@ -196,7 +202,7 @@ class StepTimes:
     at least `MIN_TIMINGS` times over the latest `TIMES_WINDOW` decode steps (`saved`: a
     previous launch's, `samples()`, which the new steps then replace)."""
 
-    def __init__(self, saved: list[tuple[int, float]] = ()) -> None:
+    def __init__(self, saved: Iterable[tuple[int, float]] = ()) -> None:
         self._steps: deque[tuple[int, float]] = deque(saved, maxlen=TIMES_WINDOW)
         self._line: tuple[float, float, float | None] | None = None  # `_fit`'s
         self._new = len(self._steps)  # steps timed since the line was fitted
@@ -334,11 +340,9 @@ class Speculator:
         """Keep the step times in `times_file` for the next launch (a warning if it cannot)."""
         if self.times_file is None or not self.times.samples():
             return
+        samples = json.dumps(self.times.samples())
         try:
-            self.times_file.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.times_file.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps(self.times.samples()))
-            os.replace(partial, self.times_file)  # a reader sees the old file or the new one
+            replace_atomically(self.times_file, lambda tmp: tmp.write_text(samples))
         except OSError as e:
             warnings.warn(f"speculation: cannot keep the step times in {self.times_file}: {e}",
                           CacheWarning, stacklevel=2)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -42,7 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from braid.cache import cache_root, code_version, model_identity
+from braid.cache import cache_root, code_version, model_identity, replace_atomically
 from braid.compiler import configure_compiler
 from braid.config import EngineConfig
 from braid.layers.forward_batch import DECODE_MIN_BLOCKS, ForwardBatch
@@ -156,15 +155,12 @@ def _aot_compile(function: Callable, example: tuple, cpp_wrapper: bool) -> Calla
 def _save(graph, path: Path, model: nn.Module) -> None:
     """Written to a temporary name and renamed: concurrent ranks and launches never read half a
     file (a graph that cannot be written is only not cached)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        graph.save_compiled_function(str(tmp), external_data={"model": model})
-        os.replace(tmp, path)
+        replace_atomically(path, lambda tmp: graph.save_compiled_function(
+            str(tmp), external_data={"model": model}))
     except Exception as e:  # noqa: BLE001 - a graph that cannot be saved is only not cached
         warnings.warn(f"cannot save a compiled graph under {path.parent} "
                       f"({type(e).__name__}: {e})", stacklevel=3)
-        tmp.unlink(missing_ok=True)
 
 
 def _load(path: Path, model: nn.Module) -> Callable | None:
