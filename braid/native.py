@@ -132,13 +132,15 @@ def _register_fakes() -> None:
     def _(x, values, scales):
         return x.new_empty(x.shape[0], values.shape[0])
 
+    from braid.layers.ggml_weight import weight_rows as ggml_weight_rows
+
     @fake("braid::ggml_dequantize")
     def _(blocks, type, columns, dtype):
-        return blocks.new_empty(blocks.shape[0], columns, dtype=dtype)
+        return blocks.new_empty(ggml_weight_rows(blocks, type), columns, dtype=dtype)
 
     @fake("braid::ggml_linear")
     def _(x, blocks, type, few_rows, round_inputs):
-        return x.new_empty(x.shape[0], blocks.shape[0])
+        return x.new_empty(x.shape[0], ggml_weight_rows(blocks, type))
 
     @fake("braid::causal_prefill_attention")
     def _(q, k, v, scale):

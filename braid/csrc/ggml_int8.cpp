@@ -17,6 +17,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -303,6 +304,128 @@ void rows_times_inputs(int64_t type, const uint8_t* row, int64_t row_bytes, int6
   }
 }
 
+// Input rows rounded per 32 inputs for Q8_0_X16: quants in natural order, and per block its
+// scale and -128 times its quants' sum (the weights enter `vpdpbusd` offset by 128).
+struct BlockInput {
+  int64_t K, blocks;
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> offset;
+
+  template <typename T>
+  BlockInput(const T* x, int64_t M, int64_t K)
+      : K(K), blocks(K / 32), q(M * K), scale(M * blocks), offset(M * blocks) {
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        int32_t sum = 0;
+        scale[m * blocks + b] = round_block(x + m * K + 32 * b, 32, [&](int i, __m512i r) {
+          store_bytes(q.data() + m * K + 32 * b + 16 * i, r);
+          sum += _mm512_reduce_add_epi32(r);
+        });
+        offset[m * blocks + b] = -128 * sum;
+      }
+    }
+  }
+};
+
+// One Q8_0_X16 group (16 weight rows) times input rows [m, m + MR): out[i] holds the 16 rows'
+// products with input m + i, lane r for row r. Each block's integer sums start from the
+// input's offset, then 8 `vpdpbusd` add 4 quants of all 16 rows times 4 inputs (broadcast);
+// the block's scales apply in one FMA. A row's sum runs over the blocks in order, whatever MR
+// is, so its bits do not depend on the rows beside it.
+template <int MR>
+void q8_0_x16_group(const uint8_t* group, const BlockInput& in, int64_t m, __m512 out[MR]) {
+  const int64_t blocks = in.blocks, K = in.K;
+  const uint8_t* scales = group + blocks * 512;
+  for (int i = 0; i < MR; ++i) out[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(scales + 32 * b)));
+    __m512i sum[MR];
+    for (int i = 0; i < MR; ++i) sum[i] = _mm512_set1_epi32(in.offset[(m + i) * blocks + b]);
+    const uint8_t* quants = group + 512 * b;
+    for (int j = 0; j < 8; ++j) {
+      const __m512i weights = _mm512_loadu_si512(quants + 64 * j);
+      for (int i = 0; i < MR; ++i) {
+        int32_t four;
+        std::memcpy(&four, in.q.data() + (m + i) * K + 32 * b + 4 * j, sizeof four);
+        sum[i] = _mm512_dpbusd_epi32(sum[i], weights, _mm512_set1_epi32(four));
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]),
+                               _mm512_mul_ps(d, _mm512_set1_ps(in.scale[(m + i) * blocks + b])),
+                               out[i]);
+  }
+}
+
+// fp32 lanes as bf16, rounded to nearest even as `Tensor.to` rounds finite values
+inline void store_bf16(at::BFloat16* p, __m512 values) {
+  const __m512i bits = _mm512_castps_si512(values);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+inline void store_bf16(float* p, __m512 values) { _mm512_storeu_ps(p, values); }
+
+template <typename T>
+at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& groups) {
+  constexpr int64_t MR = 8;  // input rows a pass over a group's blocks takes
+  const int64_t M = x.size(0), G = groups.size(0), N = G * X16_ROWS, K = x.size(1);
+  const at::Tensor xc = x.contiguous();
+  const BlockInput in(xc.data_ptr<T>(), M, K);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* gp = groups.data_ptr<uint8_t>();
+  T* yp = y.data_ptr<T>();
+  const int64_t group_bytes = groups.size(1);
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* group = gp + g * group_bytes;
+      for (int64_t m = 0; m < M; m += MR) {
+        __m512 out[MR];
+        const auto pass = [&](auto rows) {
+          constexpr int R = decltype(rows)::value;
+          q8_0_x16_group<R>(group, in, m, out);
+          for (int i = 0; i < R; ++i) store_bf16(yp + (m + i) * N + g * X16_ROWS, out[i]);
+        };
+        switch (std::min(M - m, MR)) {
+          case 1: pass(std::integral_constant<int, 1>()); break;
+          case 2: pass(std::integral_constant<int, 2>()); break;
+          case 3: pass(std::integral_constant<int, 3>()); break;
+          case 4: pass(std::integral_constant<int, 4>()); break;
+          case 5: pass(std::integral_constant<int, 5>()); break;
+          case 6: pass(std::integral_constant<int, 6>()); break;
+          case 7: pass(std::integral_constant<int, 7>()); break;
+          default: pass(std::integral_constant<int, 8>()); break;
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// Group g's weights into columns [16 g, 16 g + 16) of W^T [K, 16 G]: each vector of quants
+// gives 4 columns' 16 rows (byte t of each lane), times the block's 16 scales.
+template <typename T>
+void x16_decode_group(const uint8_t* group, int64_t K, T* out, int64_t stride) {
+  const int64_t blocks = K / 32;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(group + blocks * 512 + 32 * b)));
+    for (int j = 0; j < 8; ++j) {
+      const __m512i quants = _mm512_xor_si512(
+          _mm512_loadu_si512(group + 512 * b + 64 * j), flip);
+      for (int t = 0; t < 4; ++t) {
+        const __m512i lane = _mm512_srai_epi32(_mm512_sllv_epi32(
+            quants, _mm512_set1_epi32(24 - 8 * t)), 24);
+        store_bf16(out + (32 * b + 4 * j + t) * stride, _mm512_mul_ps(_mm512_cvtepi32_ps(lane), d));
+      }
+    }
+  }
+}
+
 // Weight rows whose blocks stay in L1/L2 while every group of input rows passes over them
 constexpr int64_t TILE_ROWS = 16;
 
@@ -334,7 +457,8 @@ bool int8_dot_serves(int64_t type, at::ScalarType dtype, int64_t K) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   // bf16 runs only: an fp32 run asks for products as exact as fp32's, not for llama.cpp's
   if (dtype != at::kBFloat16) return false;
-  return ((type == Q4_K || type == Q6_K) && K % BLOCK == 0) || (type == Q8_0 && K % PAIR == 0);
+  return ((type == Q4_K || type == Q6_K) && K % BLOCK == 0) || (type == Q8_0 && K % PAIR == 0)
+         || (type == Q8_0_X16 && K % 32 == 0);
 #elif defined(BRAID_GGML_AVX2)
   // fp32, the dtype these CPUs compute natively (bf16 runs there dequantize at load)
   return dtype == at::kFloat && avx2_int8_serves(type, K);
@@ -348,11 +472,32 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_
               "int8_dot_linear: no int8 kernel for GGML type ", type, " and ", x.scalar_type(),
               " inputs of ", x.size(1), " columns on this CPU");
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (type == Q8_0_X16) return x16_linear<at::BFloat16>(x, blocks);
   return linear<at::BFloat16>(x, blocks, type);
 #elif defined(BRAID_GGML_AVX2)
   return avx2_int8_linear(x, blocks, type);
 #else
   return at::Tensor();  // (not reached: nothing is served without VNNI or AVX2)
+#endif
+}
+
+at::Tensor q8_0_x16_transposed(const at::Tensor& groups, int64_t K, at::ScalarType dtype) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const int64_t G = groups.size(0), N = G * X16_ROWS;
+  at::Tensor out = at::empty({K, N}, groups.options().dtype(dtype));
+  const uint8_t* gp = groups.data_ptr<uint8_t>();
+  const auto decode = [&](auto* op) {
+    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g)
+        x16_decode_group(gp + g * groups.size(1), K, op + g * X16_ROWS, N);
+    });
+  };
+  if (dtype == at::kFloat) decode(out.data_ptr<float>());
+  else if (dtype == at::kBFloat16) decode(out.data_ptr<at::BFloat16>());
+  else TORCH_CHECK(false, "Q8_0_X16 weights decode to float32 or bfloat16, not ", dtype);
+  return out;
+#else
+  TORCH_CHECK(false, "Q8_0_X16 weights: this build has no AVX512-VNNI kernels");
 #endif
 }
 

@@ -38,6 +38,15 @@ from braid.platform import release_free_memory
 FEW_ROWS = 32
 # Weights merged between two trims of the heap (a trim walks the heap: milliseconds)
 TRIM_EVERY = 16
+# GGML's Q8_0, and braid's own form of it, 16 weight rows interleaved to a row of its tensor
+# (`interleave_q8_0`; `csrc/ggml_format.h`)
+Q8_0, Q8_0_X16 = 8, 1008
+X16_ROWS = 16
+
+
+def weight_rows(blocks: torch.Tensor, kind: int) -> int:
+    """The weight rows a tensor of blocks of GGML type `kind` holds."""
+    return blocks.shape[0] * (X16_ROWS if kind == Q8_0_X16 else 1)
 
 
 def rounds_inputs(kind: int, dtype: torch.dtype, columns: int) -> bool:
@@ -76,8 +85,14 @@ class GGMLWeight:
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight in `dtype` (an embedding; one run of rows)."""
         (kind,), (blocks,) = self.types, self.blocks
-        rows = blocks.index_select(0, ids.reshape(-1))
-        out = torch.ops.braid.ggml_dequantize(rows, kind, self.columns, dtype)
+        flat = ids.reshape(-1)
+        if kind == Q8_0_X16:  # the rows' groups, decoded whole
+            groups = blocks.index_select(0, flat // X16_ROWS)
+            out = torch.ops.braid.ggml_dequantize(groups, kind, self.columns, dtype)
+            out = out.view(-1, X16_ROWS, self.columns)[torch.arange(len(flat)), flat % X16_ROWS]
+        else:
+            out = torch.ops.braid.ggml_dequantize(blocks.index_select(0, flat), kind,
+                                                  self.columns, dtype)
         return out.view(*ids.shape, self.columns)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -121,13 +136,38 @@ def keep_blocks(model: nn.Module) -> int:
     return sum(w.nbytes for w in kept.values() if w is not None)
 
 
-def set_input_rounding(model: nn.Module, round_inputs: bool) -> None:
+def set_input_rounding(model: nn.Module, round_inputs: bool, dtype: torch.dtype) -> None:
     """Whether the few-row GEMMs over every block weight of `model` (a checkpoint's or
-    `--quantization int4`'s) round their inputs to int8 (`--block-inputs`)."""
+    `--quantization int4`'s) round their inputs to int8 (`--block-inputs`); where they do, and
+    this CPU's kernel multiplies `dtype` inputs by Q8_0 weights 16 rows at a time, the Q8_0
+    weights are interleaved for it (`interleave_q8_0`; a tied embedding shares the result)."""
+    seen: set[int] = set()
     for layer in model.modules():
         weight = getattr(layer, "ggml", None)
-        if weight is not None:
-            weight.round_inputs = round_inputs
+        if weight is None or id(weight) in seen:
+            continue
+        seen.add(id(weight))
+        weight.round_inputs = round_inputs
+        if (round_inputs and weight.types == [Q8_0]
+                and weight.blocks[0].shape[0] % X16_ROWS == 0
+                and rounds_inputs(Q8_0_X16, dtype, weight.columns)):
+            weight.types, weight.blocks = [Q8_0_X16], [interleave_q8_0(weight.blocks[0])]
+
+
+def interleave_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks `[rows, K / 32 * 34]` (rows a multiple of 16) as Q8_0_X16 groups `[rows /
+    16, K / 32 * 544]`: per group of 16 rows, for each block of 32 columns 8 vectors of 64
+    bytes whose lane r holds 4 consecutive quants of row r plus 128, then the group's fp16
+    scales, 16 a block. With the few-row int8 kernel's products a block (16 rows times 4
+    inputs, `csrc/ggml_int8.cpp`), the scales of 16 rows arrive in one vector and no row's sum
+    needs a horizontal reduction: about a third of the instructions a weight of the row-by-row
+    kernel."""
+    rows, row_bytes = blocks.shape
+    per_row = blocks.view(rows // X16_ROWS, X16_ROWS, row_bytes // 34, 34)
+    scales = per_row[..., :2].permute(0, 2, 1, 3)  # [groups, blocks, 16, 2]
+    quants = per_row[..., 2:].unflatten(-1, (8, 4)).permute(0, 2, 3, 1, 4)  # [g, b, 8, 16, 4]
+    quants = quants.reshape(quants.shape[0], -1) ^ 0x80
+    return torch.cat([quants, scales.reshape(scales.shape[0], -1)], dim=1)
 
 
 def _dense_weight(layer: nn.Module) -> nn.Parameter | None:

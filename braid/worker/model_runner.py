@@ -101,7 +101,7 @@ class ModelRunner:
         keep_blocks(self.model)
         if self.kernels.int4_weights:
             quantize_to_int4(self.model)
-        set_input_rounding(self.model, self.kernels.round_block_inputs)
+        set_input_rounding(self.model, self.kernels.round_block_inputs, engine.torch_dtype)
         release_free_memory()
         self.model.to(self.device).eval()
         self._packed = make_weight_forms(self.model, self.kernels)
