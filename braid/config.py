@@ -234,14 +234,13 @@ class CompileConfig(_Group):
         "auto", "auto: a GGUF file's quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, "
         "Q6_K) stay in their blocks on CPU, computed from as they are (no dequantized copy), "
         "and so do an AWQ or GPTQ checkpoint's, as the same blocks; "
-        "none: every weight dequantized to --dtype at load; int8: that, plus per-channel int8 "
-        "copies of the linear weights, used by GEMMs of a few rows (decode at small batch; "
-        "bf16/fp16 models); int4: the linear weights rounded at load into llama.cpp's Q4_K "
-        "blocks (Q4_1 where a rank's columns are not a multiple of 256) and computed from as "
-        "a GGUF file's, no dense copy kept (CPU)", choices=("auto", "none", "int8", "int4"))
+        "none: every weight dequantized to --dtype at load; int8: the linear weights rounded "
+        "at load into llama.cpp's Q8_0 blocks, int4: into its Q4_K blocks (Q4_1 where a rank's "
+        "columns are not a multiple of 256), computed from as a GGUF file's, no dense copy "
+        "kept (CPU)", choices=("auto", "none", "int8", "int4"))
     block_inputs: str = setting(
         "int8", "how GEMMs of up to 32 rows (decode, small batches) over quantized blocks "
-        "(GGUF, AWQ/GPTQ, --quantization int4) take their inputs. int8: rounded to int8 per "
+        "(GGUF, AWQ/GPTQ, --quantization int4/int8) take their inputs. int8: rounded to int8 per "
         "block and multiplied with the quants in integers, llama.cpp's arithmetic, for Q4_K, "
         "Q6_K and Q8_0 blocks where this CPU has the kernel (bf16 with AVX512-VNNI, fp32 on "
         "AVX2-only CPUs); float: the decoded weights times the inputs in --dtype, the product "

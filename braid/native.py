@@ -128,10 +128,6 @@ def _register_fakes() -> None:
     def _(x, weight, packed, few_rows, packed_rows, swiglu):
         return x.new_empty(x.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0])
 
-    @fake("braid::gemv_int8")
-    def _(x, values, scales):
-        return x.new_empty(x.shape[0], values.shape[0])
-
     from braid.layers.ggml_weight import weight_rows as ggml_weight_rows
 
     @fake("braid::ggml_dequantize")

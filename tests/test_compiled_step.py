@@ -156,7 +156,7 @@ def test_the_kernel_plan_reads_decode_through_the_operator_where_it_fits(tiny_mo
 
 
 needs_avx512_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
-                                       reason="the few-row and int8 kernels need AVX512-BF16")
+                                       reason="the few-row kernel needs AVX512-BF16")
 
 
 @needs_avx512_bf16
@@ -181,23 +181,6 @@ def test_the_few_row_kernel_matches_the_reference(rows, columns, dtype):
 
 
 @needs_avx512_bf16
-@pytest.mark.parametrize("rows, columns", [(3072, 576), (45, 64), (13, 96)])
-def test_the_int8_gemv_matches_the_reference(rows, columns):
-    """One bf16 row against int8 rows with scales: 8 rows at a time, then the remainder one by
-    one; a cache line of each row at a time, then the rest of a row (96) in chunks."""
-    from braid.layers.quant import Int8Weight
-
-    assert decode_kernel.load()
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(1, columns, generator=gen).to(torch.bfloat16)
-    int8 = Int8Weight.quantize(torch.randn(rows, columns, generator=gen).to(torch.bfloat16))
-    out = decode_kernel.gemv_int8(x, int8.values, int8.scales)
-    assert out.dtype == torch.bfloat16 and out.shape == (1, rows)
-    torch.testing.assert_close(out.double(), x.double() @ int8.dequantize().double().t(),
-                               atol=1e-3 * columns ** 0.5, rtol=2 ** -8)
-
-
-@needs_avx512_bf16
 def test_the_few_row_kernels_refuse_what_they_do_not_compute():
     assert decode_kernel.load()
     weight = torch.zeros(8, 64, dtype=torch.bfloat16)
@@ -208,12 +191,6 @@ def test_the_few_row_kernels_refuse_what_they_do_not_compute():
         decode_kernel.few_rows_linear(torch.zeros(2, 64), weight)
     with pytest.raises(RuntimeError, match="an input \\[M, K\\] and a weight"):
         decode_kernel.few_rows_linear(torch.zeros(2, 32, dtype=torch.bfloat16), weight)
-    with pytest.raises(RuntimeError, match="one input row"):
-        decode_kernel.gemv_int8(torch.zeros(2, 64, dtype=torch.bfloat16),
-                                torch.zeros(8, 64, dtype=torch.int8), torch.ones(8))
-    with pytest.raises(RuntimeError, match="a bf16 scale per output row"):
-        decode_kernel.gemv_int8(torch.zeros(1, 64, dtype=torch.bfloat16),
-                                torch.zeros(8, 64, dtype=torch.int8), torch.ones(4))
     assert not decode_kernel.few_rows_fits(weight.half())
     assert not decode_kernel.few_rows_fits(weight.t())
     assert not decode_kernel.few_rows_fits(torch.zeros(8, 40))

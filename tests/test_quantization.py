@@ -1,7 +1,6 @@
-"""The weight forms of linear layers. int8 weight-only quantisation: the kernel path equals
-dense GEMMs on the dequantised weights, and bf16 decoding with int8 weights stays close to bf16
-decoding. Packed bf16 weights: the same bits as row-major GEMMs, read by GEMMs of few rows
-only."""
+"""The weight forms of linear layers. Packed bf16 weights: the same bits as row-major GEMMs,
+read by GEMMs of few rows only. bf16 decoding with int8 weights (`--quantization int8`: Q8_0
+blocks) stays close to bf16 decoding."""
 
 from __future__ import annotations
 
@@ -18,44 +17,11 @@ from braid.engine.request import Request, SamplingParams
 from braid.layers import quant
 from braid.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from braid.layers.linear import RowParallelLinear
-from braid.layers.quant import (
-    INT8_MAX_ROWS,
-    Int8Weight,
-    linear,
-    pack_linear_layers,
-    packing_supported,
-)
+from braid.layers.quant import pack_linear_layers, packing_supported
 from braid.loader.model_config import load_model_config
 from braid.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
-
-
-def test_per_channel_int8_weights_and_the_kernel(monkeypatch):
-    gen = torch.Generator().manual_seed(0)
-    weight = (torch.randn(96, 64, generator=gen) * torch.rand(96, 1, generator=gen)).bfloat16()
-    int8 = Int8Weight.quantize(weight)
-    assert int8.values.dtype == torch.int8 and int8.scales.shape == (96,)
-    assert int8.values.abs().amax(dim=1).eq(127).all()  # each row uses the full range
-    error = (int8.dequantize() - weight.float()).abs()
-    assert (error <= int8.scales.float()[:, None] * 0.51 + 1e-3).all()
-    x = torch.randn(INT8_MAX_ROWS, 64, generator=gen).bfloat16()
-    bias = torch.randn(96, generator=gen).bfloat16()
-    expected = F.linear(x.float(), int8.dequantize(), bias.float())
-    torch.testing.assert_close(linear(x, weight, bias, int8).float(), expected,
-                               atol=0.05, rtol=0.02)
-    big = torch.randn(INT8_MAX_ROWS + 1, 64, generator=gen).bfloat16()
-    assert torch.equal(linear(big, weight, None, int8), F.linear(big, weight))  # dense path
-    # Traced into a compiled graph (dynamic shapes): the graph for one sequence reads the int8
-    # weights, the graph for several the dense ones.
-    one = torch.randn(1, 64, generator=gen).bfloat16()
-    torch._dynamo.reset()
-    traced = torch.compile(lambda rows: linear(rows, weight, None, int8), backend="eager",
-                           dynamic=True)
-    torch.testing.assert_close(traced(one).float(), F.linear(one.float(), int8.dequantize()),
-                               atol=0.05, rtol=0.02)
-    assert not torch.equal(traced(one), F.linear(one, weight))
-    assert torch.equal(traced(big), F.linear(big, weight))
 
 
 def same_gemm(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -255,12 +221,19 @@ def greedy(runner, ids: list[int]) -> tuple[list[int], list[float]]:
     return tokens, logprobs
 
 
+# The most a greedy token's logit may fall short of the best one under the exact fp32 model
+# (test_ggml_blocks' margin for int8 inputs): a wrong product moves it by whole units
+LOGIT_MARGIN = 0.5
+
+
 @pytest.mark.slow  # two launches beside a bf16 reference
-def test_int8_decoding_stays_close_to_bf16(bf16_runners, prompt_ids):
-    """Decode steps of one row take the int8 path: most greedy tokens equal bf16's, and while
-    the tokens agree, their logprobs differ by little."""
+def test_int8_decoding_stays_close_to_the_exact_model(bf16_runners, prompt_ids, hf_model):
+    """--quantization int8 (the linear weights as Q8_0 blocks; decode through the int8 kernel
+    where it serves): fed the same tokens, transformers' fp32 model ranks each greedy token
+    within LOGIT_MARGIN of its best (measured 0.34 at worst, bf16 alone 0.008), and while the
+    tokens agree with bf16's their logprobs differ by little."""
     same = total = 0
-    worst = 0.0
+    worst = shortfall = 0.0
     for ids in prompt_ids:
         dense_tokens, dense_logprobs = greedy(bf16_runners["none"], ids)
         int8_tokens, int8_logprobs = greedy(bf16_runners["int8"], ids)
@@ -270,7 +243,11 @@ def test_int8_decoding_stays_close_to_bf16(bf16_runners, prompt_ids):
         total += len(dense_tokens)
         worst = max([worst, *(abs(a - b) for a, b in zip(dense_logprobs[1:agree],
                                                           int8_logprobs[1:agree]))])
-    print(f"int8: {same}/{total} greedy tokens before the first difference; largest logprob "
-          f"difference while they agree {worst:.3f}")
-    assert same / total >= 0.75  # measured 59 / 64 on the embedded model
-    assert worst < 0.75  # measured 0.55 nats
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([ids + int8_tokens])).logits[0, len(ids) - 1:-1]
+        chosen = logits.gather(1, torch.tensor(int8_tokens)[:, None])[:, 0]
+        shortfall = max(shortfall, (logits.max(-1).values - chosen).max().item())
+    print(f"int8: {same}/{total} greedy tokens before the first difference from bf16; largest "
+          f"logprob difference while they agree {worst:.3f}; largest shortfall {shortfall:.3f}")
+    assert shortfall <= LOGIT_MARGIN
+    assert worst < 0.75  # measured 0.28 nats

@@ -5,8 +5,7 @@
   model's dtype or int8 (`csrc/paged_decode_attention.cpp`), in eager and compiled decode steps;
 - `torch.ops.braid.few_rows_linear` (and `linear_by_rows`, which picks it by row count): a
   linear layer's product for a few rows with its row-major bf16 (AVX512-BF16) or fp32 (AVX-512)
-  weight, and `gemv_int8` for one bf16 row with the int8 weights (`csrc/gemv.cpp`), eager and
-  in compiled graphs;
+  weight (`csrc/gemv.cpp`), eager and in compiled graphs;
 - `torch.ops.braid.causal_prefill_attention`: causal attention of fresh prompts or chunks over
   their keys, bf16 on CPUs with AVX512-BF16 (`csrc/prefill_attention.cpp`), in eager prefill.
 
@@ -114,12 +113,6 @@ def few_rows_fits(weight: torch.Tensor) -> bool:
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [M, K]; weight: [N, K] row-major of x's dtype (`few_rows_fits`) -> x @ weight.T."""
     return torch.ops.braid.few_rows_linear(x, weight)
-
-
-def gemv_int8(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x: [1, K] bf16; values: [N, K] int8 (K a multiple of 16), scales: [N] bf16 ->
-    x @ (scales * values).T, [1, N] bf16 (on a CPU with AVX512-BF16)."""
-    return torch.ops.braid.gemv_int8(x, values, scales)
 
 
 def prefill_fits(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:

@@ -10,7 +10,7 @@ from braid.distributed.comm import Communicator
 from braid.layers.ggml_weight import GGMLWeight
 from braid.layers.linear import load_rows
 from braid.layers.partition import split_range, split_sizes
-from braid.layers.quant import Quantizable, int8_applies
+from braid.layers.quant import Quantizable
 from braid.loader.weights import LazyWeight
 
 
@@ -86,8 +86,8 @@ class ParallelLMHead(nn.Module, Quantizable):
         # The few-row kernel and the packed weight are the fastest forms
         # (docs/kernel-choices.md). A compiled step (braid.worker.compiled_step) takes the
         # linear form too: inductor packs a linear's weight, not a plain product's.
-        if (self.few_rows or self.packed is not None or int8_applies(hidden, self.int8)
-                or self.ggml is not None or torch.compiler.is_compiling()):
+        if (self.few_rows or self.packed is not None or self.ggml is not None
+                or torch.compiler.is_compiling()):
             return self.apply_linear(hidden)
         # Neither (fp32, or unpacked bf16 without the few-row kernel): weight @ hidden^T,
         # which MKL runs faster than F.linear for the few rows of a decode step.

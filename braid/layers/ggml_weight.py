@@ -86,13 +86,11 @@ class GGMLWeight:
         """Rows `ids` of the weight in `dtype` (an embedding; one run of rows)."""
         (kind,), (blocks,) = self.types, self.blocks
         flat = ids.reshape(-1)
-        if kind == Q8_0_X16:  # the rows' groups, decoded whole
-            groups = blocks.index_select(0, flat // X16_ROWS)
-            out = torch.ops.braid.ggml_dequantize(groups, kind, self.columns, dtype)
-            out = out.view(-1, X16_ROWS, self.columns)[torch.arange(len(flat)), flat % X16_ROWS]
+        if kind == Q8_0_X16:
+            rows, kind = q8_0_rows(blocks, flat), Q8_0
         else:
-            out = torch.ops.braid.ggml_dequantize(blocks.index_select(0, flat), kind,
-                                                  self.columns, dtype)
+            rows = blocks.index_select(0, flat)
+        out = torch.ops.braid.ggml_dequantize(rows, kind, self.columns, dtype)
         return out.view(*ids.shape, self.columns)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -152,6 +150,17 @@ def set_input_rounding(model: nn.Module, round_inputs: bool, dtype: torch.dtype)
                 and weight.blocks[0].shape[0] % X16_ROWS == 0
                 and rounds_inputs(Q8_0_X16, dtype, weight.columns)):
             weight.types, weight.blocks = [Q8_0_X16], [interleave_q8_0(weight.blocks[0])]
+
+
+def q8_0_rows(groups: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of Q8_0_X16 `groups` as Q8_0 blocks `[len(ids), K / 32 * 34]`: the rows'
+    bytes picked out of their groups (`interleave_q8_0` undone for them alone)."""
+    count, blocks = groups.shape[0], groups.shape[1] // 544
+    quants = groups[:, :blocks * 512].view(count, blocks, 8, X16_ROWS, 4)
+    scales = groups[:, blocks * 512:].view(count, blocks, X16_ROWS, 2)
+    group, lane = ids // X16_ROWS, ids % X16_ROWS
+    row_quants = quants[group, :, :, lane].flatten(-2) ^ 0x80  # [n, blocks, 32]
+    return torch.cat([scales[group, :, lane], row_quants], dim=-1).flatten(1)
 
 
 def interleave_q8_0(blocks: torch.Tensor) -> torch.Tensor:

@@ -35,11 +35,9 @@ class KernelPlan:
     # GEMMs of a few rows over blocks (GGUF, int4) round their inputs to int8 where a kernel
     # does (`--block-inputs`)
     round_block_inputs: bool = True
-    # Linear layers' int8 copies for GEMMs of few rows (`--quantization int8`)
-    int8_weights: bool = False
-    # Linear weights rounded into 4-bit GGML blocks at load (`--quantization int4`,
-    # `braid.layers.int4`)
-    int4_weights: bool = False
+    # Linear weights rounded at load into GGML blocks of this many bits (`--quantization int4`
+    # or `int8`, `braid.layers.weight_rounding`); 0: none
+    rounded_weights: int = 0
     # oneDNN's blocked copy of bf16 linear weights, read by GEMMs of at most
     # `packed_max_rows` rows (None: of any number)
     packed_weights: bool = False
@@ -55,12 +53,11 @@ class KernelPlan:
         """One line: what the rank runs."""
         packed = ("off" if not self.packed_weights else
                   f"up to {self.packed_max_rows} rows" if self.packed_max_rows else "any rows")
+        rounded = f"to int{self.rounded_weights}" if self.rounded_weights else "off"
         return (f"decode attention {self.decode_attention}, prefill attention "
                 f"{self.prefill_attention}, KV layout {self.kv_layout}, packed weights "
                 f"{packed}, GGUF blocks {'kept' if self.gguf_blocks else 'dequantized'}, "
-                f"block inputs {'int8' if self.round_block_inputs else 'float'}, int8 "
-                f"weights {'on' if self.int8_weights else 'off'}, int4 weights "
-                f"{'on' if self.int4_weights else 'off'}, few-row "
-                f"GEMMs {f'up to {self.few_rows} rows' if self.few_rows else 'off'}, compiled "
-                "steps "
-                f"{self.not_compiled or 'on'}")
+                f"block inputs {'int8' if self.round_block_inputs else 'float'}, weights "
+                f"rounded at load {rounded}, "
+                f"few-row GEMMs {f'up to {self.few_rows} rows' if self.few_rows else 'off'}, "
+                f"compiled steps {self.not_compiled or 'on'}")

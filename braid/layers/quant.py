@@ -15,19 +15,10 @@ graphs cannot take as inputs, so the GEMM over one is braid's operator `packed_l
 one-element tensor, so that one graph serves every layer): eager steps and compiled graphs
 (their GEMMs of few rows) call the same operator.
 
-**int8 (`--quantization int8`).** Each linear layer's weight gets an int8 copy, symmetric per
-output channel (`scale = max |w| / 127`), quantised from this rank's shard. A GEMM of a few rows
-(decode at small batch) reads the int8 copy through `aten._weight_int8pack_mm`, half the bytes
-of bf16; larger GEMMs keep the dense weight, where that kernel is several times slower
-(docs/kernel-choices.md, "int8 weights"). The kernel is vectorised for 16-bit activations
-only, so fp32 models keep the dense path (a warning says so). Inside a compiled step's graph for one
-sequence the GEMMs read the int8 weights through braid's GEMV operator where the CPU has
-AVX512-BF16 (`decode_kernel.gemv_int8`).
-
 **GGUF blocks (`--quantization auto`).** A layer whose weight a GGUF file stores in quantized
 blocks keeps only those (`Quantizable.ggml`, `braid.layers.ggml_weight`): `apply_linear`
-computes from them and none of the forms here is made. `--quantization int4` gives the dense
-linear weights such blocks at load (`braid.layers.int4`).
+computes from them and none of the forms here is made. `--quantization int4` and `int8` give
+the dense linear weights such blocks at load (`braid.layers.weight_rounding`).
 
 **Few rows (`--few-row-gemm`).** GEMMs of up to the plan's `few_rows` rows (decode, speculative
 verification) run braid's kernel over the row-major bf16 or fp32 weight
@@ -39,7 +30,6 @@ is made by `linear_by_rows` in C++, as a compiled graph's row count is a symbol.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,29 +41,6 @@ from braid.layers.fused import silu_mul
 from braid.layers.ggml_weight import GGMLWeight
 from braid.layers.kernel_plan import KernelPlan
 
-INT8_MAX_ROWS = 4  # GEMMs of at most this many rows use the int8 weights
-
-
-@dataclass
-class Int8Weight:
-    """A weight as int8 values `[out, in]` and one scale per output row (activation dtype)."""
-
-    values: torch.Tensor
-    scales: torch.Tensor
-
-    @staticmethod
-    def quantize(weight: torch.Tensor) -> Int8Weight:
-        w = weight.detach().float()
-        # Rounded to the activation dtype first: the values are quantised against the scales
-        # the kernel will multiply by.
-        scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127).to(weight.dtype)
-        values = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        return Int8Weight(values.contiguous(), scales)
-
-    def dequantize(self) -> torch.Tensor:
-        """The weight the int8 values stand for, in fp32."""
-        return self.values.float() * self.scales.float()[:, None]
-
 
 class Quantizable:
     """Mixin of the layers whose weight `make_weight_forms` gives other forms; `forward` passes
@@ -82,7 +49,6 @@ class Quantizable:
     # The weight in a GGUF file's quantized blocks, computed from as they are (the dense
     # parameter then holds no memory: `ggml_weight.keep_blocks`)
     ggml: GGMLWeight | None = None
-    int8: Int8Weight | None = None
     # The number oneDNN's blocked copy of the weight (kept beside the row-major one) is
     # registered under for `packed_linear` (`pack_linear_layers`), as a one-element tensor
     packed: torch.Tensor | None = None
@@ -91,8 +57,7 @@ class Quantizable:
     # GEMMs of at most this many rows read `packed` (None: of any number)
     packed_rows: int | None = None
     # GEMMs of at most this many rows run braid's few-row kernel over the row-major weight
-    # (`decode_kernel.few_rows_linear`), and a row traced into a compiled graph that reads the
-    # int8 weights runs the int8 GEMV; 0 where the plan or the weight rules it out
+    # (`decode_kernel.few_rows_linear`); 0 where the plan or the weight rules it out
     few_rows = 0
     # Set on a SwiGLU's merged [gate | up] projection (`GatedMLP`): packing then makes
     # `packed_halves`, gate and up packed apart (their two numbers in one tensor), for
@@ -109,35 +74,16 @@ class Quantizable:
         if self.ggml is not None:
             y = self.ggml.linear(x)
             return y if bias is None else y + bias
-        return linear(x, self.quantizable_weight(), bias, self.int8, self.packed, self.few_rows,
+        return linear(x, self.quantizable_weight(), bias, self.packed, self.few_rows,
                       self.packed_rows)
 
 
-def int8_applies(x: torch.Tensor, int8: Int8Weight | None) -> bool:
-    """Whether a GEMM of `x` reads the int8 weights: there are some, and `x` has few rows (in a
-    compiled graph, whose row count is a symbol, only the graph for one sequence, where it is
-    the constant 1)."""
-    if int8 is None or x.dim() != 2:
-        return False
-    if torch.compiler.is_compiling():
-        return x.shape[0] == 1
-    return x.shape[0] <= INT8_MAX_ROWS
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           int8: Int8Weight | None = None, packed: torch.Tensor | None = None,
-           few_rows: int = 0, packed_rows: int | None = None) -> torch.Tensor:
-    """`F.linear`, through the int8 weights where `int8_applies` (a row traced into a compiled
-    graph through the int8 GEMV where the layer has `few_rows`); else, with `few_rows`, through
-    `linear_by_rows`, which runs braid's few-row kernel up to that many rows and the packed
-    weight numbered `packed` (up to `packed_rows` rows) or ATen beyond; else through the packed
-    weight where there is one and `packed_applies`."""
-    if int8_applies(x, int8):
-        if few_rows and torch.compiler.is_compiling():
-            y = decode_kernel.gemv_int8(x, int8.values, int8.scales)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(x, int8.values, int8.scales)
-        return y if bias is None else y + bias
+           packed: torch.Tensor | None = None, few_rows: int = 0,
+           packed_rows: int | None = None) -> torch.Tensor:
+    """`F.linear`, with `few_rows` through `linear_by_rows`, which runs braid's few-row kernel
+    up to that many rows and the packed weight numbered `packed` (up to `packed_rows` rows) or
+    ATen beyond; else through the packed weight where there is one and `packed_applies`."""
     if few_rows:
         y = _by_rows(x, weight, packed, few_rows, packed_rows, swiglu=False)
         return y if bias is None else y + bias
@@ -160,13 +106,10 @@ def _by_rows(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
 
 def make_weight_forms(model: nn.Module, kernels: KernelPlan) -> bool:
     """Give the model's linear layers (the LM head included) the weight forms the rank's
-    plan asks for, once its weights are loaded and on their device: int8 copies, oneDNN's
-    packed copies (for GEMMs of up to `kernels.packed_max_rows` rows) and the few-row kernel
-    where a layer's weight fits it. Whether any weight was packed."""
+    plan asks for, once its weights are loaded and on their device: oneDNN's packed copies
+    (for GEMMs of up to `kernels.packed_max_rows` rows) and the few-row kernel where a layer's
+    weight fits it. Whether any weight was packed."""
     layers = [m for m in model.modules() if isinstance(m, Quantizable) and m.ggml is None]
-    if kernels.int8_weights:
-        for layer in layers:
-            layer.int8 = Int8Weight.quantize(layer.quantizable_weight())
     packed = kernels.packed_weights and pack_linear_layers(model, kernels.packed_max_rows)
     for layer in layers:
         fits = decode_kernel.few_rows_fits(layer.quantizable_weight())
@@ -227,16 +170,14 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 def swiglu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of a merged [gate | up] projection (`Quantizable.gated`), through the
-    weight form `linear` would read, the activation applied by the C++ operator where neither
-    the int8 weights nor ATen compute it: by rows (`linear_by_rows`) with the few-row kernel,
-    else the packed halves (`gated_silu`) where they apply; otherwise the layer's product and
-    `silu_mul`."""
-    if not int8_applies(x, layer.int8):
-        if layer.few_rows:
-            return _by_rows(x, layer.weight, layer.packed_halves, layer.few_rows,
-                            layer.packed_rows, swiglu=True)
-        if layer.packed_halves is not None and packed_applies(x, layer.packed_rows):
-            return gated_silu(x, layer.packed_halves, layer.weight.shape[0] // 2)
+    weight form `linear` would read, the activation applied by the C++ operator where ATen does
+    not compute the product: by rows (`linear_by_rows`) with the few-row kernel, else the packed
+    halves (`gated_silu`) where they apply; otherwise the layer's product and `silu_mul`."""
+    if layer.few_rows:
+        return _by_rows(x, layer.weight, layer.packed_halves, layer.few_rows, layer.packed_rows,
+                        swiglu=True)
+    if layer.packed_halves is not None and packed_applies(x, layer.packed_rows):
+        return gated_silu(x, layer.packed_halves, layer.weight.shape[0] // 2)
     return silu_mul(layer(x))
 
 

@@ -60,7 +60,7 @@ WARM_UP_ROWS = 16
 
 
 def mark_static(model: nn.Module) -> None:
-    """The sizes of the model's tensors that are not parameters (KV caches, int8 weights,
+    """The sizes of the model's tensors that are not parameters (KV caches, GGML blocks,
     rotary tables) are fixed: as symbols they took part in duck sizing (a step's block-table
     width or batch equal to a cache size was unified with it, then pinned, and the next step
     recompiled), and freezing lost track of them."""
@@ -75,7 +75,9 @@ def _tensors(value: object) -> list[torch.Tensor]:
         return [value]
     if isinstance(value, dict):
         return [t for v in value.values() for t in _tensors(v)]
-    if hasattr(value, "__dataclass_fields__"):  # Int8Weight
+    if isinstance(value, list):
+        return [t for v in value for t in _tensors(v)]
+    if hasattr(value, "__dataclass_fields__"):  # GGMLWeight
         return [t for v in vars(value).values() for t in _tensors(v)]
     return []
 

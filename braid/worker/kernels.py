@@ -49,8 +49,7 @@ def plan_kernels(engine: EngineConfig, model: nn.Module) -> KernelPlan:
         prefill_attention=_prefill_attention(decode_operator, attention, dtype, device),
         gguf_blocks=operators and keeps_quantized_blocks(engine, model.config),
         round_block_inputs=engine.compile.block_inputs == "int8",
-        int8_weights=_int8_weights(engine),
-        int4_weights=_int4_weights(engine, operators),
+        rounded_weights=_rounded_weights(engine, operators),
         packed_weights=(_packs(engine, operators)
                         and packing_supported(torch.empty(0, dtype=dtype, device=device))),
         packed_max_rows=AMX_PACKED_MAX_ROWS if "amx_bf16" in cpu_flags() else None,
@@ -147,27 +146,14 @@ def _packs(engine: EngineConfig, operators: bool) -> bool:
     return operators and mode == "on"
 
 
-def _int4_weights(engine: EngineConfig, operators: bool) -> bool:
-    """`--quantization int4`, where braid's kernels compute from GGML blocks: its operators
-    built, on CPUs whose vector units serve the run's dtype (elsewhere every GEMM would decode
-    its whole weight)."""
-    if engine.compile.quantization != "int4":
-        return False
-    if (not operators or engine.parallel.device != "cpu"
-            or not decode_kernel.block_kernels_serve(engine.torch_dtype)):
-        warnings.warn("--quantization int4 runs dense: its kernels need braid's operators on a "
-                      "CPU with AVX2 and FMA (fp32) or AVX512-BF16 (bf16)", stacklevel=3)
-        return False
-    return True
-
-
-def _int8_weights(engine: EngineConfig) -> bool:
-    """`--quantization int8`, where the int8 kernel is fast: with 16-bit activations only
-    (`aten._weight_int8pack_mm` is vectorised for those), so fp32 models stay dense."""
-    if engine.compile.quantization != "int8":
-        return False
-    if engine.torch_dtype == torch.float32:
-        warnings.warn("--quantization int8 runs dense: the int8 kernel is fast with bf16 or fp16 "
-                      "activations only; use --dtype bf16", stacklevel=3)
-        return False
-    return True
+def _rounded_weights(engine: EngineConfig, operators: bool) -> int:
+    """The bits of `--quantization int4` or `int8` (0 for the other modes), where braid's
+    kernels compute from GGML blocks: its operators built, on CPUs whose vector units serve the
+    run's dtype (elsewhere every GEMM would decode its whole weight)."""
+    bits = {"int4": 4, "int8": 8}.get(engine.compile.quantization, 0)
+    if bits and (not operators or engine.parallel.device != "cpu"
+                 or not decode_kernel.block_kernels_serve(engine.torch_dtype)):
+        warnings.warn(f"--quantization int{bits} runs dense: its kernels need braid's operators "
+                      "on a CPU with AVX2 and FMA (fp32) or AVX512-BF16 (bf16)", stacklevel=3)
+        return 0
+    return bits

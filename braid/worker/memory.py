@@ -29,19 +29,17 @@ def _bytes(tensors: list[torch.Tensor]) -> int:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the weights: parameters (a dense weight kept only as GGML blocks holds none),
-    GGML blocks, int8 copies, and oneDNN's packed copies (the size of the weight they pack)."""
+    GGML blocks, and oneDNN's packed copies (the size of the weight they pack)."""
     tensors = list(model.parameters())
     packed = 0
     for layer in model.modules():
         ggml = getattr(layer, "ggml", None)
         if ggml is not None:
             tensors += ggml.blocks
-        if isinstance(layer, Quantizable):
-            if layer.int8 is not None:
-                tensors += [layer.int8.values, layer.int8.scales]
-            if layer.packed is not None or layer.packed_halves is not None:
-                weight = layer.quantizable_weight()
-                packed += weight.numel() * weight.element_size()
+        if isinstance(layer, Quantizable) and (layer.packed is not None
+                                               or layer.packed_halves is not None):
+            weight = layer.quantizable_weight()
+            packed += weight.numel() * weight.element_size()
     return _bytes(tensors) + packed
 
 

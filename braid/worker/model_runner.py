@@ -18,8 +18,8 @@ from braid.distributed.comm import SwitchableCommunicator
 from braid.layers.forward_batch import ForwardBatch
 from braid.layers.fused import configure_compile
 from braid.layers.ggml_weight import keep_blocks, set_input_rounding
-from braid.layers.int4 import quantize_to_int4
 from braid.layers.quant import make_weight_forms
+from braid.layers.weight_rounding import round_linear_weights
 from braid.loader.model_config import ModelConfig
 from braid.loader.weights import load_weights, with_progress
 from braid.models.registry import model_class
@@ -99,8 +99,8 @@ class ModelRunner:
             weights = with_progress(weights, "loading weights", delay_s=2.0)
         load_weights(self.model, trimming(weights))
         keep_blocks(self.model)
-        if self.kernels.int4_weights:
-            quantize_to_int4(self.model)
+        if self.kernels.rounded_weights:
+            round_linear_weights(self.model, self.kernels.rounded_weights)
         set_input_rounding(self.model, self.kernels.round_block_inputs, engine.torch_dtype)
         release_free_memory()
         self.model.to(self.device).eval()

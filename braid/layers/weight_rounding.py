@@ -1,16 +1,24 @@
-"""`--quantization int4`: a checkpoint's linear weights rounded at load into llama.cpp's 4-bit
-blocks, then computed from as a GGUF file's blocks are (`braid.layers.ggml_weight`).
+"""`--quantization int4|int8`: a checkpoint's linear weights rounded at load into llama.cpp's
+blocks, then computed from as a GGUF file's blocks are (`braid.layers.ggml_weight`); no dense
+copy is kept.
 
-A rank rounds the weights it holds, row by row in blocks along the columns: Q4_K where the
-rows' length and the rank's slice of them are multiples of 256 (super-blocks of 8 sub-blocks of
-32, each with a 6-bit scale and minimum under the block's two fp16 factors: 4.5 bits a weight,
-and decode at batch size one through the int8 dot products of `csrc/ggml_int8.cpp` in bf16),
-else Q4_1 where they are multiples of 32 (an fp16 scale and minimum per 32: 5 bits a weight),
-else the layer stays dense. Blocks are those of the whole rows, so a weight is rounded alike
-at every tp where its slices fall on them (a rank whose slice of a row-parallel layer does not
-falls back to the smaller blocks, or to dense). Scales and minimums are chosen from
-each sub-block's range (llama.cpp's quantizer searches for a slightly better fit), and each
-weight is rounded to the nearest level of the stored (fp16, 6-bit) factors.
+A rank rounds the weights it holds, row by row in blocks along the columns.
+
+- **int8**: Q8_0 where the rows' length and the rank's slice of them are multiples of 32 (an
+  fp16 scale per 32 weights, each weight the nearest of 255 levels of it: 8.5 bits a weight),
+  else the layer stays dense. Where the bf16 int8 kernel serves, the blocks are then
+  interleaved 16 rows to a group for it (`ggml_weight.interleave_q8_0`).
+- **int4**: Q4_K where the rows' length and the rank's slice of them are multiples of 256
+  (super-blocks of 8 sub-blocks of 32, each with a 6-bit scale and minimum under the block's
+  two fp16 factors: 4.5 bits a weight), else Q4_1 where they are multiples of 32 (an fp16 scale
+  and minimum per 32: 5 bits a weight), else the layer stays dense. Scales and minimums are
+  chosen from each sub-block's range (llama.cpp's quantizer searches for a slightly better
+  fit).
+
+Blocks are those of the whole rows, so a weight is rounded alike at every tp where its slices
+fall on them (a rank whose slice of a row-parallel layer does not falls back to the smaller
+blocks, or to dense). Each weight is rounded to the nearest level of the stored (fp16, 6-bit)
+factors.
 
 The layers that read their weight as a matrix (MLA's `kv_b_proj`) and MoE experts stay dense;
 an embedding tied to an LM head shares the head's blocks (lookups decode their rows).
@@ -21,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from braid.layers.ggml_weight import GGMLWeight
+from braid.layers.ggml_weight import Q8_0, GGMLWeight
 from braid.layers.quant import Quantizable
 
 # GGML's type numbers (the `gguf` package's `GGMLQuantizationType`, which rank processes do not
@@ -101,20 +109,35 @@ def quantize_q4_k(weight: torch.Tensor) -> torch.Tensor:
                      dim=-1).view(rows, -1)
 
 
-def int4_blocks(weight: torch.Tensor, first_column: int = 0,
-                row_length: int | None = None) -> GGMLWeight | None:
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """`weight [rows, columns]` (columns a multiple of 32) as Q8_0 blocks `[rows, columns / 32
+    * 34]`: per 32 weights the fp16 scale d (the largest |w| / 127), then 32 signed bytes q,
+    for w = d q."""
+    rows, columns = weight.shape
+    x = weight.float().view(rows, columns // BLOCK, BLOCK)
+    scale = _fp16(x.abs().amax(-1, keepdim=True) / 127)
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(x * inverse).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+    return torch.cat([_fp16_bytes(scale[..., 0]), q], dim=-1).view(rows, -1)
+
+
+def rounded_blocks(weight: torch.Tensor, bits: int, first_column: int = 0,
+                   row_length: int | None = None) -> GGMLWeight | None:
     """`weight` (a rank's columns from `first_column` on, of rows `row_length` long: by
-    default the whole rows) in the 4-bit blocks that cut the whole rows where its columns
-    begin and end, so that every split rounds alike: Q4_K, else Q4_1 (None: neither fits)."""
+    default the whole rows) in the blocks of `bits` (4 or 8) that cut the whole rows where its
+    columns begin and end, so that every split rounds alike: Q8_0; Q4_K, else Q4_1 (None:
+    none fits)."""
     rows, columns = weight.shape
     row_length = columns if row_length is None else row_length
 
     def fits(block: int) -> bool:
         return first_column % block == 0 and columns % block == 0 and row_length % block == 0
 
-    if fits(SUPER_BLOCK):
+    if bits == 8 and fits(BLOCK):
+        kind, quantize = Q8_0, quantize_q8_0
+    elif bits == 4 and fits(SUPER_BLOCK):
         kind, quantize = Q4_K, quantize_q4_k
-    elif fits(BLOCK):
+    elif bits == 4 and fits(BLOCK):
         kind, quantize = Q4_1, quantize_q4_1
     else:
         return None
@@ -123,10 +146,10 @@ def int4_blocks(weight: torch.Tensor, first_column: int = 0,
     return GGMLWeight(columns, [kind], [blocks])
 
 
-def quantize_to_int4(model: nn.Module) -> None:
-    """Round every dense, packable linear weight of `model` into 4-bit blocks (`layer.ggml`),
-    freeing the dense parameter (a zero-stride view keeps its shape); an embedding tied to one
-    of them shares its blocks."""
+def round_linear_weights(model: nn.Module, bits: int) -> None:
+    """Round every dense, packable linear weight of `model` into blocks of `bits` (4 or 8;
+    `layer.ggml`), freeing the dense parameter (a zero-stride view keeps its shape); an
+    embedding tied to one of them shares its blocks."""
     made: dict[int, GGMLWeight | None] = {}
     for layer in model.modules():
         if not isinstance(layer, Quantizable) or not layer.packable or layer.ggml is not None:
@@ -136,7 +159,7 @@ def quantize_to_int4(model: nn.Module) -> None:
             # A row-parallel layer's columns are a slice of its rows
             first_column = getattr(layer, "in_range", (0, None))[0]
             row_length = getattr(layer, "in_features", param.shape[1])
-            made[id(param)] = int4_blocks(param.data, first_column, row_length)
+            made[id(param)] = rounded_blocks(param.data, bits, first_column, row_length)
             if made[id(param)] is not None:
                 param.data = torch.zeros((), dtype=param.dtype).expand(param.shape)
         layer.ggml = made[id(param)]
