@@ -241,9 +241,9 @@ class CompileConfig(_Group):
     block_inputs: str = setting(
         "int8", "how GEMMs of up to 32 rows (decode, small batches) over quantized blocks "
         "(GGUF, AWQ/GPTQ, --quantization int4/int8) take their inputs. int8: rounded to int8 per "
-        "block and multiplied with the quants in integers, llama.cpp's arithmetic, for Q4_K, "
-        "Q6_K and Q8_0 blocks where this CPU has the kernel (bf16 with AVX512-VNNI, fp32 on "
-        "AVX2-only CPUs); float: the decoded weights times the inputs in --dtype, the product "
+        "block and multiplied with the quants in integers, llama.cpp's arithmetic, where this "
+        "CPU has the kernel: Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 in bf16 with AVX512-VNNI, Q4_K, "
+        "Q6_K and Q8_0 in fp32 on AVX2-only CPUs; float: the decoded weights times the inputs in --dtype, the product "
         "over the dequantized weight", choices=("int8", "float"))
     weight_packing: str = setting(
         "auto", "oneDNN's blocked copy of bf16 linear weights on CPU, beside the row-major one "

@@ -25,9 +25,9 @@ from braid.distributed.comm import SkipCommunicator
 from braid.layers import decode_kernel
 from braid.layers.ggml_weight import (
     FEW_ROWS,
-    Q8_0_X16,
+    X16,
     GGMLWeight,
-    interleave_q8_0,
+    interleave_rows,
     keep_blocks,
     rounds_inputs,
 )
@@ -156,34 +156,37 @@ def test_a_few_rows_over_blocks_do_not_depend_on_the_row_count(kind, dtype, roun
             assert torch.equal(y, torch.ops.braid.few_rows_linear(x[-m:], weight)), m
 
 
-@pytest.mark.skipif(not rounds_inputs(Q8_0_X16, torch.bfloat16, 512),
-                    reason="no interleaved Q8_0 kernel on this CPU")
-def test_interleaved_q8_0_decodes_and_multiplies_as_its_q8_0_blocks():
-    """Q8_0 interleaved 16 rows to a group (`interleave_q8_0`, made at load where the bf16 int8
-    kernel serves it) decodes and looks rows up as the blocks it came from; up to FEW_ROWS
-    rows its products are the int8-rounded inputs' (each row's bits those it has alone),
-    beyond them the dequantized weight's, within the bounds of the test above."""
+@pytest.mark.skipif(not native.load() or not rounds_inputs(X16 + int(Q.Q8_0), torch.bfloat16, 512),
+                    reason="no interleaved kernel on this CPU")
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda k: k.name)
+def test_interleaved_blocks_decode_and_multiply_as_the_blocks(kind):
+    """Q4_0, Q4_1 and Q8_0 interleaved 16 rows to a group (`interleave_rows`, made at load
+    where the bf16 int8 kernel serves them) decode and look rows up as the blocks they came
+    from; up to FEW_ROWS rows their products are those of the int8-rounded inputs (each row's
+    bits those it has alone), beyond them the dequantized weight's, within the bounds of the
+    tests above."""
     rows, columns = 96, 512
-    blocks = random_blocks(Q.Q8_0, rows, columns, seed=3)
-    weight = dequantized(blocks, Q.Q8_0, columns)
-    groups = interleave_q8_0(torch.from_numpy(blocks))
+    blocks = random_blocks(kind, rows, columns, seed=3)
+    weight = dequantized(blocks, kind, columns)
+    groups = interleave_rows(torch.from_numpy(blocks), int(kind))
+    interleaved = X16 + int(kind)
     assert groups.shape == (rows // 16, blocks.shape[1] * 16)
     for dtype in (torch.float32, torch.bfloat16):
-        got = torch.ops.braid.ggml_dequantize(groups, Q8_0_X16, columns, dtype)
+        got = torch.ops.braid.ggml_dequantize(groups, interleaved, columns, dtype)
         assert torch.equal(got, weight.to(dtype)), dtype
     ids = torch.tensor([[0, 17, 95], [5, 5, 64]])
-    looked_up = GGMLWeight(columns, [Q8_0_X16], [groups]).lookup(ids, torch.bfloat16)
+    looked_up = GGMLWeight(columns, [interleaved], [groups]).lookup(ids, torch.bfloat16)
     assert torch.equal(looked_up, weight.bfloat16()[ids])
     x = torch.randn(FEW_ROWS + 7, columns, generator=torch.Generator().manual_seed(0)).bfloat16()
     for m in (1, 5, 9, FEW_ROWS, FEW_ROWS + 7):
-        y = torch.ops.braid.ggml_linear(x[:m], groups, Q8_0_X16, FEW_ROWS, True)
+        y = torch.ops.braid.ggml_linear(x[:m], groups, interleaved, FEW_ROWS, True)
         few = m <= FEW_ROWS
         expected = (int8_input_product(x[:m], weight, 32) if few
                     else x[:m].double() @ weight.double().T)
         bound = 2 ** -8 * (x[:m].double().abs() @ weight.double().abs().T)
         assert ((y.double() - expected).abs() <= bound).all(), m
         if few:
-            alone = [torch.ops.braid.ggml_linear(x[i:i + 1], groups, Q8_0_X16, FEW_ROWS, True)
+            alone = [torch.ops.braid.ggml_linear(x[i:i + 1], groups, interleaved, FEW_ROWS, True)
                      for i in range(m)]
             assert torch.equal(y, torch.cat(alone)), m
 
@@ -271,6 +274,8 @@ def int8_dtype() -> str | None:
     """The dtype whose few-row GEMMs over the embedded file's Q8_0 LM head round their inputs
     to int8 on this CPU: bf16 with AVX512-VNNI (and the few-row kernel's AVX512-BF16), fp32 on
     AVX2-only CPUs; None elsewhere."""
+    if not native.load():
+        return None
     if (rounds_inputs(int(Q.Q8_0), torch.bfloat16, 576)
             and decode_kernel.few_rows_serve(torch.bfloat16)):
         return "bf16"

@@ -338,8 +338,8 @@ void decode_rows_fast(int64_t type, const uint8_t* blocks, int64_t row_bytes, in
 }
 
 void check_blocks(const char* op, const at::Tensor& blocks, int64_t type, int64_t K) {
-  const Format f = format_of(type == Q8_0_X16 ? Q8_0 : type);
-  const int64_t rows = type == Q8_0_X16 ? X16_ROWS : 1;  // weight rows in a row of the tensor
+  const Format f = format_of(is_x16(type) ? type - X16 : type);
+  const int64_t rows = is_x16(type) ? X16_ROWS : 1;  // weight rows in a row of the tensor
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               op, ": the blocks as a contiguous uint8 tensor [rows, bytes], got ",
               blocks.scalar_type(), " ", blocks.sizes());
@@ -350,14 +350,14 @@ void check_blocks(const char* op, const at::Tensor& blocks, int64_t type, int64_
 
 // The weight rows a tensor of blocks of `type` holds
 int64_t weight_rows(const at::Tensor& blocks, int64_t type) {
-  return blocks.size(0) * (type == Q8_0_X16 ? X16_ROWS : 1);
+  return blocks.size(0) * (is_x16(type) ? X16_ROWS : 1);
 }
 
 // The weight [N, K] the blocks stand for, in `dtype`.
 at::Tensor ggml_dequantize(const at::Tensor& blocks, int64_t type, int64_t columns,
                            at::ScalarType dtype) {
   check_blocks("ggml_dequantize", blocks, type, columns);
-  if (type == Q8_0_X16) return q8_0_x16_transposed(blocks, columns, dtype).t().contiguous();
+  if (is_x16(type)) return x16_transposed(blocks, type, columns, dtype).t().contiguous();
   const int64_t N = blocks.size(0), K = columns;
   at::Tensor out = at::empty({N, K}, blocks.options().dtype(dtype));
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
@@ -490,13 +490,13 @@ at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
   const int64_t M = x.size(0), N = weight_rows(blocks, type), K = x.size(1);
   if (round_inputs && M <= few_rows && int8_dot_serves(type, x.scalar_type(), K))
     return int8_dot_linear(x, blocks, type);
-  if (type == Q8_0_X16) {  // many rows (or float inputs): ATen's GEMM over decoded chunks
+  if (is_x16(type)) {  // many rows (or float inputs): ATen's GEMM over decoded chunks
     at::Tensor y = at::empty({M, N}, x.options());
     const int64_t groups = std::max<int64_t>(1, CHUNK_BYTES / (K * x.element_size() * X16_ROWS));
     for (int64_t g = 0; g < blocks.size(0); g += groups) {
       const int64_t count = std::min(groups, blocks.size(0) - g);
-      const at::Tensor weight_t = q8_0_x16_transposed(blocks.narrow(0, g, count), K,
-                                                      x.scalar_type());
+      const at::Tensor weight_t = x16_transposed(blocks.narrow(0, g, count), type, K,
+                                                 x.scalar_type());
       y.narrow(1, g * X16_ROWS, count * X16_ROWS).copy_(at::mm(x, weight_t));
     }
     return y;

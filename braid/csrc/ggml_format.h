@@ -18,14 +18,20 @@ namespace braid_ggml {
 // GGML's type numbers (ggml.h, `gguf.GGMLQuantizationType`) of the formats read here
 enum GgmlType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
-// braid's own form of Q8_0 (no GGUF file holds it; `ggml_weight.interleave_q8_0` makes it at
-// load where `int8_dot_serves` it): 16 weight rows to a group, and per block of 32 columns the
-// group's quants as 8 vectors of 64 bytes, each holding 4 consecutive quants of each of the 16
-// rows (offset by 128, unsigned), so that one `vpdpbusd` multiplies 16 rows by 4 inputs; the
-// group's fp16 scales follow its quants, 16 a block. A tensor of it is [rows / 16, K / 32 *
-// 544] bytes: the same bytes as Q8_0's.
-constexpr int64_t Q8_0_X16 = 1008;
+// braid's own forms of Q4_0, Q4_1 and Q8_0 (no GGUF file holds them;
+// `ggml_weight.interleave_rows` makes them at load where `int8_dot_serves` them), numbered
+// X16 + the GGML type: 16 weight rows to a group, and per block of 32 columns the group's
+// quants as vectors of 64 bytes, each holding 4 bytes of each of the 16 rows, so that one
+// `vpdpbusd` multiplies 16 rows by 4 inputs. Q8_0: 8 vectors, byte t of vector j row r's
+// quant 4 j + t plus 128 (unsigned); Q4_0 and Q4_1: 4 vectors, byte t of vector j row r's
+// quants 4 j + t (low nibble) and 16 + 4 j + t (high), as its block's byte 4 j + t holds them.
+// The group's fp16 scales follow its quants, 16 a block, then (Q4_1) its fp16 minimums. A
+// tensor of a format is [rows / 16, 16 x the row's bytes]: the blocks' bytes.
+constexpr int64_t X16 = 1000;
 constexpr int64_t X16_ROWS = 16;
+inline bool is_x16(int64_t type) {
+  return type == X16 + Q4_0 || type == X16 + Q4_1 || type == X16 + Q8_0;
+}
 
 struct Format {
   int64_t elements;  // weights per block
@@ -125,8 +131,9 @@ bool int8_dot_serves(int64_t type, at::ScalarType dtype, int64_t K);
 // x [M, K] @ W^T over W's blocks of `type`, with x rounded to int8 per block of inputs (as
 // llama.cpp computes); `int8_dot_serves` must hold.
 at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type);
-// Q8_0_X16 groups [G, K / 32 * 544] as the transposed weight W^T [K, 16 G] in `dtype` (for
-// GEMMs of many rows and for lookups); only where `int8_dot_serves(Q8_0_X16, ...)` holds.
-at::Tensor q8_0_x16_transposed(const at::Tensor& groups, int64_t K, at::ScalarType dtype);
+// An interleaved format's groups [G, bytes] as the transposed weight W^T [K, 16 G] in `dtype`
+// (for GEMMs of many rows); only where `int8_dot_serves(type, ...)` holds.
+at::Tensor x16_transposed(const at::Tensor& groups, int64_t type, int64_t K,
+                          at::ScalarType dtype);
 
 }  // namespace braid_ggml

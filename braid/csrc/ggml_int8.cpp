@@ -304,58 +304,96 @@ void rows_times_inputs(int64_t type, const uint8_t* row, int64_t row_bytes, int6
   }
 }
 
-// Input rows rounded per 32 inputs for Q8_0_X16: quants in natural order, and per block its
-// scale and -128 times its quants' sum (the weights enter `vpdpbusd` offset by 128).
+// Input rows rounded per 32 inputs for the interleaved formats (llama.cpp's Q8_0 and Q8_1
+// inputs): quants in natural order, and per block its scale and its quants' sum (for Q8_0's
+// offset of 128, Q4_0's of 8 and Q4_1's minimums).
 struct BlockInput {
   int64_t K, blocks;
   std::vector<int8_t> q;
   std::vector<float> scale;
-  std::vector<int32_t> offset;
+  std::vector<int32_t> sum;
 
   template <typename T>
   BlockInput(const T* x, int64_t M, int64_t K)
-      : K(K), blocks(K / 32), q(M * K), scale(M * blocks), offset(M * blocks) {
+      : K(K), blocks(K / 32), q(M * K), scale(M * blocks), sum(M * blocks, 0) {
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t b = 0; b < blocks; ++b) {
-        int32_t sum = 0;
+        int32_t& total = sum[m * blocks + b];
         scale[m * blocks + b] = round_block(x + m * K + 32 * b, 32, [&](int i, __m512i r) {
           store_bytes(q.data() + m * K + 32 * b + 16 * i, r);
-          sum += _mm512_reduce_add_epi32(r);
+          total += _mm512_reduce_add_epi32(r);
         });
-        offset[m * blocks + b] = -128 * sum;
       }
     }
   }
 };
 
-// One Q8_0_X16 group (16 weight rows) times input rows [m, m + MR): out[i] holds the 16 rows'
-// products with input m + i, lane r for row r. Each block's integer sums start from the
-// input's offset, then 8 `vpdpbusd` add 4 quants of all 16 rows times 4 inputs (broadcast);
-// the block's scales apply in one FMA. A row's sum runs over the blocks in order, whatever MR
-// is, so its bits do not depend on the rows beside it.
-template <int MR>
-void q8_0_x16_group(const uint8_t* group, const BlockInput& in, int64_t m, __m512 out[MR]) {
+// Bytes of one block's quants in a group of an interleaved format (ggml_format.h)
+constexpr int64_t x16_quant_bytes(int64_t base) { return base == Q8_0 ? 512 : 256; }
+
+inline __m512 halves_at(const uint8_t* p) {  // 16 fp16 numbers
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512i broadcast_four(const int8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, sizeof four);
+  return _mm512_set1_epi32(four);
+}
+
+// One group (16 weight rows) of an interleaved format BASE times input rows [m, m + MR):
+// out[i] holds the 16 rows' products with input m + i, lane r for row r. A block's integer
+// sums start from its offset (Q8_0's quants enter as q + 128, Q4_0's as q + 8: minus that
+// times the inputs' sum), then `vpdpbusd` adds 4 quants of all 16 rows times 4 inputs
+// (broadcast); one FMA applies the 16 rows' scales, and for Q4_1 a second its minimums times
+// the inputs' sum. A row's sum runs over the blocks in order, whatever MR is, so its bits do
+// not depend on the rows beside it.
+template <int64_t BASE, int MR>
+void x16_group(const uint8_t* group, const BlockInput& in, int64_t m, __m512 out[MR]) {
+  constexpr int64_t QUANT_BYTES = x16_quant_bytes(BASE);
   const int64_t blocks = in.blocks, K = in.K;
-  const uint8_t* scales = group + blocks * 512;
+  const uint8_t* scales = group + blocks * QUANT_BYTES;
+  const __m512i nibble = _mm512_set1_epi8(15);
   for (int i = 0; i < MR; ++i) out[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(scales + 32 * b)));
+    const __m512 d = halves_at(scales + 32 * b);
+    const uint8_t* quants = group + QUANT_BYTES * b;
+    const int8_t* x = in.q.data() + m * K + 32 * b;
     __m512i sum[MR];
-    for (int i = 0; i < MR; ++i) sum[i] = _mm512_set1_epi32(in.offset[(m + i) * blocks + b]);
-    const uint8_t* quants = group + 512 * b;
-    for (int j = 0; j < 8; ++j) {
-      const __m512i weights = _mm512_loadu_si512(quants + 64 * j);
-      for (int i = 0; i < MR; ++i) {
-        int32_t four;
-        std::memcpy(&four, in.q.data() + (m + i) * K + 32 * b + 4 * j, sizeof four);
-        sum[i] = _mm512_dpbusd_epi32(sum[i], weights, _mm512_set1_epi32(four));
+    for (int i = 0; i < MR; ++i) {
+      const int32_t total = in.sum[(m + i) * blocks + b];
+      sum[i] = _mm512_set1_epi32(BASE == Q8_0 ? -128 * total : BASE == Q4_0 ? -8 * total : 0);
+    }
+    if constexpr (BASE == Q8_0) {
+      for (int j = 0; j < 8; ++j) {
+        const __m512i weights = _mm512_loadu_si512(quants + 64 * j);
+        for (int i = 0; i < MR; ++i)
+          sum[i] = _mm512_dpbusd_epi32(sum[i], weights, broadcast_four(x + i * K + 4 * j));
+      }
+    } else {  // byte t of vector j: quants 4 j + t (low nibble) and 16 + 4 j + t (high)
+      for (int j = 0; j < 4; ++j) {
+        const __m512i both = _mm512_loadu_si512(quants + 64 * j);
+        const __m512i low = _mm512_and_si512(both, nibble);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
+        for (int i = 0; i < MR; ++i) {
+          sum[i] = _mm512_dpbusd_epi32(sum[i], low, broadcast_four(x + i * K + 4 * j));
+          sum[i] = _mm512_dpbusd_epi32(sum[i], high, broadcast_four(x + i * K + 16 + 4 * j));
+        }
       }
     }
-    for (int i = 0; i < MR; ++i)
-      out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]),
-                               _mm512_mul_ps(d, _mm512_set1_ps(in.scale[(m + i) * blocks + b])),
+    for (int i = 0; i < MR; ++i) {
+      const float dx = in.scale[(m + i) * blocks + b];
+      out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]), _mm512_mul_ps(d, _mm512_set1_ps(dx)),
                                out[i]);
+    }
+    if constexpr (BASE == Q4_1) {
+      const __m512 minimums = halves_at(scales + 32 * (blocks + b));
+      for (int i = 0; i < MR; ++i) {
+        const float dx = in.scale[(m + i) * blocks + b];
+        out[i] = _mm512_fmadd_ps(minimums,
+                                 _mm512_set1_ps(dx * float(in.sum[(m + i) * blocks + b])), out[i]);
+      }
+    }
   }
 }
 
@@ -369,7 +407,7 @@ inline void store_bf16(at::BFloat16* p, __m512 values) {
 }
 inline void store_bf16(float* p, __m512 values) { _mm512_storeu_ps(p, values); }
 
-template <typename T>
+template <int64_t BASE, typename T>
 at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& groups) {
   constexpr int64_t MR = 8;  // input rows a pass over a group's blocks takes
   const int64_t M = x.size(0), G = groups.size(0), N = G * X16_ROWS, K = x.size(1);
@@ -386,7 +424,7 @@ at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& groups) {
         __m512 out[MR];
         const auto pass = [&](auto rows) {
           constexpr int R = decltype(rows)::value;
-          q8_0_x16_group<R>(group, in, m, out);
+          x16_group<BASE, R>(group, in, m, out);
           for (int i = 0; i < R; ++i) store_bf16(yp + (m + i) * N + g * X16_ROWS, out[i]);
         };
         switch (std::min(M - m, MR)) {
@@ -405,25 +443,59 @@ at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& groups) {
   return y;
 }
 
-// Group g's weights into columns [16 g, 16 g + 16) of W^T [K, 16 G]: each vector of quants
-// gives 4 columns' 16 rows (byte t of each lane), times the block's 16 scales.
-template <typename T>
-void x16_decode_group(const uint8_t* group, int64_t K, T* out, int64_t stride) {
-  const int64_t blocks = K / 32;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(group + blocks * 512 + 32 * b)));
-    for (int j = 0; j < 8; ++j) {
-      const __m512i quants = _mm512_xor_si512(
-          _mm512_loadu_si512(group + 512 * b + 64 * j), flip);
-      for (int t = 0; t < 4; ++t) {
-        const __m512i lane = _mm512_srai_epi32(_mm512_sllv_epi32(
-            quants, _mm512_set1_epi32(24 - 8 * t)), 24);
-        store_bf16(out + (32 * b + 4 * j + t) * stride, _mm512_mul_ps(_mm512_cvtepi32_ps(lane), d));
+// Block b of a group's weights (columns [32 b, 32 b + 32) of its 16 rows) into `out`, row k
+// of it at out + k * stride (16 values each), as the `gguf` package computes them (Q4_1:
+// d q + m, two roundings): each vector of quants gives 4 (Q8_0) or 8 (Q4) columns' 16 rows,
+// byte t of each lane (and its high nibble).
+template <int64_t BASE, typename T>
+void x16_decode_block(const uint8_t* group, int64_t blocks, int64_t b, T* out, int64_t stride) {
+  constexpr int64_t QUANT_BYTES = x16_quant_bytes(BASE);
+  const uint8_t* scales = group + blocks * QUANT_BYTES;
+  const __m512 d = halves_at(scales + 32 * b);
+  const __m512 minimums = BASE == Q4_1 ? halves_at(scales + 32 * (blocks + b))
+                                       : _mm512_setzero_ps();
+  const auto emit = [&](int64_t k, __m512i lanes) {  // lanes: the 16 rows' quants, int32
+    const __m512 q = _mm512_cvtepi32_ps(lanes);
+    store_bf16(out + k * stride, BASE == Q4_1 ? _mm512_add_ps(_mm512_mul_ps(d, q), minimums)
+                                              : _mm512_mul_ps(d, q));
+  };
+  for (int j = 0; j < QUANT_BYTES / 64; ++j) {
+    const __m512i both = _mm512_loadu_si512(group + QUANT_BYTES * b + 64 * j);
+    for (int t = 0; t < 4; ++t) {
+      if constexpr (BASE == Q8_0) {
+        const __m512i flipped = _mm512_xor_si512(both, _mm512_set1_epi8(static_cast<char>(0x80)));
+        emit(4 * j + t, _mm512_srai_epi32(_mm512_slli_epi32(flipped, 24 - 8 * t), 24));
+      } else {
+        const __m512i byte = _mm512_and_si512(_mm512_srli_epi32(both, 8 * t),
+                                              _mm512_set1_epi32(0xff));
+        const __m512i offset = _mm512_set1_epi32(BASE == Q4_0 ? 8 : 0);
+        emit(4 * j + t, _mm512_sub_epi32(_mm512_and_si512(byte, _mm512_set1_epi32(15)), offset));
+        emit(16 + 4 * j + t, _mm512_sub_epi32(_mm512_srli_epi32(byte, 4), offset));
       }
     }
   }
+}
+
+// W^T [K, 16 G] of G groups: block by block (32 rows of W^T), every group's 16 columns of it
+// in turn, so that each row is written front to back (group by group, each group's K rows
+// were half-written cache lines far apart: a tenth slower GEMMs past 32 rows).
+template <int64_t BASE>
+at::Tensor transposed_groups(const at::Tensor& groups, int64_t K, at::ScalarType dtype) {
+  const int64_t G = groups.size(0), N = G * X16_ROWS, blocks = K / 32;
+  at::Tensor out = at::empty({K, N}, groups.options().dtype(dtype));
+  const uint8_t* gp = groups.data_ptr<uint8_t>();
+  const auto decode = [&](auto* op) {
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        for (int64_t g = 0; g < G; ++g)
+          x16_decode_block<BASE>(gp + g * groups.size(1), blocks, b,
+                                 op + 32 * b * N + g * X16_ROWS, N);
+    });
+  };
+  if (dtype == at::kFloat) decode(out.data_ptr<float>());
+  else if (dtype == at::kBFloat16) decode(out.data_ptr<at::BFloat16>());
+  else TORCH_CHECK(false, "interleaved weights decode to float32 or bfloat16, not ", dtype);
+  return out;
 }
 
 // Weight rows whose blocks stay in L1/L2 while every group of input rows passes over them
@@ -458,7 +530,7 @@ bool int8_dot_serves(int64_t type, at::ScalarType dtype, int64_t K) {
   // bf16 runs only: an fp32 run asks for products as exact as fp32's, not for llama.cpp's
   if (dtype != at::kBFloat16) return false;
   return ((type == Q4_K || type == Q6_K) && K % BLOCK == 0) || (type == Q8_0 && K % PAIR == 0)
-         || (type == Q8_0_X16 && K % 32 == 0);
+         || (is_x16(type) && K % 32 == 0);
 #elif defined(BRAID_GGML_AVX2)
   // fp32, the dtype these CPUs compute natively (bf16 runs there dequantize at load)
   return dtype == at::kFloat && avx2_int8_serves(type, K);
@@ -472,7 +544,11 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_
               "int8_dot_linear: no int8 kernel for GGML type ", type, " and ", x.scalar_type(),
               " inputs of ", x.size(1), " columns on this CPU");
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (type == Q8_0_X16) return x16_linear<at::BFloat16>(x, blocks);
+  switch (type) {
+    case X16 + Q4_0: return x16_linear<Q4_0, at::BFloat16>(x, blocks);
+    case X16 + Q4_1: return x16_linear<Q4_1, at::BFloat16>(x, blocks);
+    case X16 + Q8_0: return x16_linear<Q8_0, at::BFloat16>(x, blocks);
+  }
   return linear<at::BFloat16>(x, blocks, type);
 #elif defined(BRAID_GGML_AVX2)
   return avx2_int8_linear(x, blocks, type);
@@ -481,23 +557,17 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_
 #endif
 }
 
-at::Tensor q8_0_x16_transposed(const at::Tensor& groups, int64_t K, at::ScalarType dtype) {
+at::Tensor x16_transposed(const at::Tensor& groups, int64_t type, int64_t K,
+                          at::ScalarType dtype) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  const int64_t G = groups.size(0), N = G * X16_ROWS;
-  at::Tensor out = at::empty({K, N}, groups.options().dtype(dtype));
-  const uint8_t* gp = groups.data_ptr<uint8_t>();
-  const auto decode = [&](auto* op) {
-    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g)
-        x16_decode_group(gp + g * groups.size(1), K, op + g * X16_ROWS, N);
-    });
-  };
-  if (dtype == at::kFloat) decode(out.data_ptr<float>());
-  else if (dtype == at::kBFloat16) decode(out.data_ptr<at::BFloat16>());
-  else TORCH_CHECK(false, "Q8_0_X16 weights decode to float32 or bfloat16, not ", dtype);
-  return out;
+  switch (type) {
+    case X16 + Q4_0: return transposed_groups<Q4_0>(groups, K, dtype);
+    case X16 + Q4_1: return transposed_groups<Q4_1>(groups, K, dtype);
+    case X16 + Q8_0: return transposed_groups<Q8_0>(groups, K, dtype);
+  }
+  TORCH_CHECK(false, "GGML type ", type, " is not an interleaved format");
 #else
-  TORCH_CHECK(false, "Q8_0_X16 weights: this build has no AVX512-VNNI kernels");
+  TORCH_CHECK(false, "interleaved weights: this build has no AVX512-VNNI kernels");
 #endif
 }
 

@@ -9,7 +9,8 @@ lookup decodes the rows it reads. Decoded values are those of the `gguf` package
 `dequantize`, so results equal those over the dequantized weight in the same dtype (the same
 bits, up to FEW_ROWS rows), except where the few-row GEMMs round their inputs to int8 as
 llama.cpp does (`rounds_inputs`, `--block-inputs int8`: `csrc/ggml_int8.cpp`,
-`csrc/ggml_int8_avx2.cpp`).
+`csrc/ggml_int8_avx2.cpp`). For that kernel Q4_0, Q4_1 and Q8_0 weights are rearranged at load,
+16 rows to a group (`interleave_rows`: same bytes, in the order its vectors read them).
 
 Loading goes through the layers' usual weight loaders: where a checkpoint tensor has blocks
 (`LazyWeight.ggml_type`) and the layer computes from them, the loader files the rows under the
@@ -38,23 +39,27 @@ from braid.platform import release_free_memory
 FEW_ROWS = 32
 # Weights merged between two trims of the heap (a trim walks the heap: milliseconds)
 TRIM_EVERY = 16
-# GGML's Q8_0, and braid's own form of it, 16 weight rows interleaved to a row of its tensor
-# (`interleave_q8_0`; `csrc/ggml_format.h`)
-Q8_0, Q8_0_X16 = 8, 1008
-X16_ROWS = 16
+# GGML's types that braid interleaves 16 rows to a group for its int8 kernel
+# (`interleave_rows`; `csrc/ggml_format.h`), each then numbered X16 + its type
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+X16, X16_ROWS = 1000, 16
+# Per interleaved type: the fp16 factors (scale, and Q4_1's minimum) and the bytes of quants
+# that a block of 32 columns holds
+_FACTORS_AND_QUANTS = {Q4_0: (1, 16), Q4_1: (2, 16), Q8_0: (1, 32)}
 
 
 def weight_rows(blocks: torch.Tensor, kind: int) -> int:
     """The weight rows a tensor of blocks of GGML type `kind` holds."""
-    return blocks.shape[0] * (X16_ROWS if kind == Q8_0_X16 else 1)
+    return blocks.shape[0] * (X16_ROWS if kind > X16 else 1)
 
 
 def rounds_inputs(kind: int, dtype: torch.dtype, columns: int) -> bool:
     """Whether GEMMs of up to FEW_ROWS rows over blocks of GGML type `kind`, with `dtype` inputs
     of `columns` columns, can round the inputs to int8 and multiply them with the blocks' quants
-    in integers, as llama.cpp does (`--block-inputs int8`, the default): Q4_K, Q6_K and Q8_0,
-    bf16 on CPUs with AVX512-VNNI (`csrc/ggml_int8.cpp`), fp32 on AVX2-only ones
-    (`csrc/ggml_int8_avx2.cpp`), the dtypes those CPUs compute natively."""
+    in integers, as llama.cpp does (`--block-inputs int8`, the default): Q4_K, Q6_K, Q8_0 and
+    the interleaved Q4_0, Q4_1 and Q8_0 (`interleave_rows`), bf16 on CPUs with AVX512-VNNI
+    (`csrc/ggml_int8.cpp`); Q4_K, Q6_K and Q8_0, fp32 on AVX2-only ones
+    (`csrc/ggml_int8_avx2.cpp`): the dtypes those CPUs compute natively."""
     return torch.ops.braid.ggml_int8_serves(kind, dtype, columns)
 
 
@@ -86,8 +91,8 @@ class GGMLWeight:
         """Rows `ids` of the weight in `dtype` (an embedding; one run of rows)."""
         (kind,), (blocks,) = self.types, self.blocks
         flat = ids.reshape(-1)
-        if kind == Q8_0_X16:
-            rows, kind = q8_0_rows(blocks, flat), Q8_0
+        if kind > X16:
+            rows, kind = plain_rows(blocks, kind - X16, flat), kind - X16
         else:
             rows = blocks.index_select(0, flat)
         out = torch.ops.braid.ggml_dequantize(rows, kind, self.columns, dtype)
@@ -136,9 +141,9 @@ def keep_blocks(model: nn.Module) -> int:
 
 def set_input_rounding(model: nn.Module, round_inputs: bool, dtype: torch.dtype) -> None:
     """Whether the few-row GEMMs over every block weight of `model` (a checkpoint's or
-    `--quantization int4`'s) round their inputs to int8 (`--block-inputs`); where they do, and
-    this CPU's kernel multiplies `dtype` inputs by Q8_0 weights 16 rows at a time, the Q8_0
-    weights are interleaved for it (`interleave_q8_0`; a tied embedding shares the result)."""
+    `--quantization int4|int8`'s) round their inputs to int8 (`--block-inputs`); where they do
+    and this CPU's kernel multiplies `dtype` inputs by 16 rows at a time, Q4_0, Q4_1 and Q8_0
+    weights are interleaved for it (`interleave_rows`; a tied embedding shares the result)."""
     seen: set[int] = set()
     for layer in model.modules():
         weight = getattr(layer, "ggml", None)
@@ -146,37 +151,45 @@ def set_input_rounding(model: nn.Module, round_inputs: bool, dtype: torch.dtype)
             continue
         seen.add(id(weight))
         weight.round_inputs = round_inputs
-        if (round_inputs and weight.types == [Q8_0]
-                and weight.blocks[0].shape[0] % X16_ROWS == 0
-                and rounds_inputs(Q8_0_X16, dtype, weight.columns)):
-            weight.types, weight.blocks = [Q8_0_X16], [interleave_q8_0(weight.blocks[0])]
+        for run, (kind, blocks) in enumerate(zip(weight.types, weight.blocks)):
+            if (round_inputs and kind in _FACTORS_AND_QUANTS
+                    and blocks.shape[0] % X16_ROWS == 0
+                    and rounds_inputs(X16 + kind, dtype, weight.columns)):
+                weight.types[run], weight.blocks[run] = X16 + kind, interleave_rows(blocks, kind)
 
 
-def q8_0_rows(groups: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of Q8_0_X16 `groups` as Q8_0 blocks `[len(ids), K / 32 * 34]`: the rows'
-    bytes picked out of their groups (`interleave_q8_0` undone for them alone)."""
-    count, blocks = groups.shape[0], groups.shape[1] // 544
-    quants = groups[:, :blocks * 512].view(count, blocks, 8, X16_ROWS, 4)
-    scales = groups[:, blocks * 512:].view(count, blocks, X16_ROWS, 2)
-    group, lane = ids // X16_ROWS, ids % X16_ROWS
-    row_quants = quants[group, :, :, lane].flatten(-2) ^ 0x80  # [n, blocks, 32]
-    return torch.cat([scales[group, :, lane], row_quants], dim=-1).flatten(1)
-
-
-def interleave_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Q8_0 blocks `[rows, K / 32 * 34]` (rows a multiple of 16) as Q8_0_X16 groups `[rows /
-    16, K / 32 * 544]`: per group of 16 rows, for each block of 32 columns 8 vectors of 64
-    bytes whose lane r holds 4 consecutive quants of row r plus 128, then the group's fp16
-    scales, 16 a block. With the few-row int8 kernel's products a block (16 rows times 4
-    inputs, `csrc/ggml_int8.cpp`), the scales of 16 rows arrive in one vector and no row's sum
-    needs a horizontal reduction: about a third of the instructions a weight of the row-by-row
-    kernel."""
+def interleave_rows(blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    """Q4_0, Q4_1 or Q8_0 blocks `[rows, bytes]` (rows a multiple of 16) as braid's interleaved
+    groups `[rows / 16, 16 * bytes]` (type X16 + kind): per group of 16 rows, for each block of
+    32 columns vectors of 64 bytes whose lane r holds 4 bytes of row r's quants (Q8_0's plus
+    128), then the group's fp16 scales (16 a block) and Q4_1's minimums. The int8 kernel
+    multiplies 16 rows by 4 inputs an instruction, the 16 rows' scales arrive in one vector and
+    no row's sum needs a horizontal reduction: about a third of the instructions a weight of
+    the row-by-row kernel (`csrc/ggml_int8.cpp`)."""
+    factors, quant_bytes = _FACTORS_AND_QUANTS[kind]
     rows, row_bytes = blocks.shape
-    per_row = blocks.view(rows // X16_ROWS, X16_ROWS, row_bytes // 34, 34)
-    scales = per_row[..., :2].permute(0, 2, 1, 3)  # [groups, blocks, 16, 2]
-    quants = per_row[..., 2:].unflatten(-1, (8, 4)).permute(0, 2, 3, 1, 4)  # [g, b, 8, 16, 4]
-    quants = quants.reshape(quants.shape[0], -1) ^ 0x80
-    return torch.cat([quants, scales.reshape(scales.shape[0], -1)], dim=1)
+    per_row = blocks.view(rows // X16_ROWS, X16_ROWS, -1, 2 * factors + quant_bytes)
+    halves = per_row[..., :2 * factors].unflatten(-1, (factors, 2)).permute(0, 3, 2, 1, 4)
+    quants = per_row[..., 2 * factors:].unflatten(-1, (quant_bytes // 4, 4))
+    quants = quants.permute(0, 2, 3, 1, 4).reshape(quants.shape[0], -1)  # [g, b, j, r, 4]
+    if kind == Q8_0:
+        quants = quants ^ 0x80
+    return torch.cat([quants, halves.reshape(halves.shape[0], -1)], dim=1)
+
+
+def plain_rows(groups: torch.Tensor, kind: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of interleaved `groups` of `kind` as its blocks `[len(ids), bytes]`
+    (`interleave_rows` undone for them alone)."""
+    factors, quant_bytes = _FACTORS_AND_QUANTS[kind]
+    count, blocks = groups.shape[0], groups.shape[1] // (X16_ROWS * (2 * factors + quant_bytes))
+    quants = groups[:, :blocks * X16_ROWS * quant_bytes].view(count, blocks, -1, X16_ROWS, 4)
+    halves = groups[:, blocks * X16_ROWS * quant_bytes:].view(count, factors, blocks, X16_ROWS, 2)
+    group, lane = ids // X16_ROWS, ids % X16_ROWS
+    row_quants = quants[group, :, :, lane].flatten(-2)  # [n, blocks, quant_bytes]
+    if kind == Q8_0:
+        row_quants = row_quants ^ 0x80
+    row_halves = halves[group, :, :, lane].permute(0, 2, 1, 3).flatten(-2)  # [n, blocks, 2 f]
+    return torch.cat([row_halves, row_quants], dim=-1).flatten(1)
 
 
 def _dense_weight(layer: nn.Module) -> nn.Parameter | None:
