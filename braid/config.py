@@ -243,8 +243,8 @@ class CompileConfig(_Group):
         "(GGUF, AWQ/GPTQ, --quantization int4/int8) take their inputs. int8: rounded to int8 per "
         "block and multiplied with the quants in integers, llama.cpp's arithmetic, where this "
         "CPU has the kernel: Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 in bf16 with AVX512-VNNI, Q4_K, "
-        "Q6_K and Q8_0 in fp32 on AVX2-only CPUs; float: the decoded weights times the inputs in --dtype, the product "
-        "over the dequantized weight", choices=("int8", "float"))
+        "Q6_K and Q8_0 in fp32 on AVX2-only CPUs; float: the decoded weights times the "
+        "inputs in --dtype, the product over the dequantized weight", choices=("int8", "float"))
     weight_packing: str = setting(
         "auto", "oneDNN's blocked copy of bf16 linear weights on CPU, beside the row-major one "
         "(the weights' memory again), read by GEMMs past the few-row kernel's rows. auto: where "

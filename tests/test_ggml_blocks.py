@@ -163,8 +163,8 @@ def test_interleaved_blocks_decode_and_multiply_as_the_blocks(kind):
     """Q4_0, Q4_1 and Q8_0 interleaved 16 rows to a group (`interleave_rows`, made at load
     where the bf16 int8 kernel serves them) decode and look rows up as the blocks they came
     from; up to FEW_ROWS rows their products are those of the int8-rounded inputs (each row's
-    bits those it has alone), beyond them the dequantized weight's, within the bounds of the
-    tests above."""
+    bits those it has alone), within the bounds of the tests above, and beyond them the
+    blocks' own bits (the groups decoded back into blocks)."""
     rows, columns = 96, 512
     blocks = random_blocks(kind, rows, columns, seed=3)
     weight = dequantized(blocks, kind, columns)
@@ -189,6 +189,9 @@ def test_interleaved_blocks_decode_and_multiply_as_the_blocks(kind):
             alone = [torch.ops.braid.ggml_linear(x[i:i + 1], groups, interleaved, FEW_ROWS, True)
                      for i in range(m)]
             assert torch.equal(y, torch.cat(alone)), m
+        else:
+            assert torch.equal(y, torch.ops.braid.ggml_linear(x[:m], torch.from_numpy(blocks),
+                                                              int(kind), FEW_ROWS, True))
 
 
 def test_blocks_of_another_width_are_refused():

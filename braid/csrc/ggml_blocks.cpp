@@ -16,7 +16,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/mm.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -353,16 +352,76 @@ int64_t weight_rows(const at::Tensor& blocks, int64_t type) {
   return blocks.size(0) * (is_x16(type) ? X16_ROWS : 1);
 }
 
+#if defined(__AVX512F__)
+// One group of an interleaved format (ggml_format.h) back into the 16 rows of blocks it was
+// made from (`ggml_weight.interleave_rows` undone; `out` holds 16 rows of `row_bytes`): per
+// block, lane r of its quant vectors j = 0..3 (and 4..7 for Q8_0) are row r's bytes 4 j to
+// 4 j + 3, a transpose of 4 x 16 words at a time (each 128-bit lane of the result: one row).
+void ungroup(const uint8_t* group, int64_t base, int64_t blocks, uint8_t* out,
+             int64_t row_bytes) {
+  const Format f = format_of(base);
+  const int64_t halves = base == Q4_1 ? 2 : 1, quant_bytes = f.bytes - 2 * halves;
+  const uint8_t* factors = group + blocks * X16_ROWS * quant_bytes;
+  const __m512i flip = _mm512_set1_epi8(base == Q8_0 ? static_cast<char>(0x80) : 0);
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint8_t* first = out + b * f.bytes;
+    for (int64_t h = 0; h < halves; ++h)
+      for (int64_t r = 0; r < X16_ROWS; ++r)
+        std::memcpy(first + r * row_bytes + 2 * h, factors + ((h * blocks + b) * X16_ROWS + r) * 2,
+                    2);
+    const uint8_t* vectors = group + b * X16_ROWS * quant_bytes;
+    for (int64_t part = 0; part < quant_bytes / 16; ++part) {  // 16 bytes of each row
+      __m512i v[4];
+      for (int j = 0; j < 4; ++j)
+        v[j] = _mm512_xor_si512(_mm512_loadu_si512(vectors + 64 * (4 * part + j)), flip);
+      const __m512i low01 = _mm512_unpacklo_epi32(v[0], v[1]), high01 = _mm512_unpackhi_epi32(v[0], v[1]);
+      const __m512i low23 = _mm512_unpacklo_epi32(v[2], v[3]), high23 = _mm512_unpackhi_epi32(v[2], v[3]);
+      // rows 4 i + k in 128-bit lane i of rows_k
+      const __m512i rows[4] = {_mm512_unpacklo_epi64(low01, low23), _mm512_unpackhi_epi64(low01, low23),
+                               _mm512_unpacklo_epi64(high01, high23), _mm512_unpackhi_epi64(high01, high23)};
+      uint8_t* quants = first + 2 * halves + 16 * part;
+      for (int k = 0; k < 4; ++k) {
+        alignas(64) uint8_t lanes[64];
+        _mm512_store_si512(lanes, rows[k]);
+        for (int i = 0; i < 4; ++i) std::memcpy(quants + (4 * i + k) * row_bytes, lanes + 16 * i, 16);
+      }
+    }
+  }
+}
+
+// Interleaved groups [G, 16 row_bytes] decoded to the weight [16 G, K] in T, a group at a
+// time through its blocks in a buffer of the thread's (so that past 32 rows and in lookups
+// they compute exactly as the blocks they were made from).
+template <typename T>
+void decode_groups(const uint8_t* groups, int64_t type, int64_t K, int64_t G, T* out) {
+  const int64_t base = type - X16, blocks = K / 32, row_bytes = blocks * format_of(base).bytes;
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> rows(X16_ROWS * row_bytes);
+    std::vector<float> scratch(K);
+    for (int64_t g = g0; g < g1; ++g) {
+      ungroup(groups + g * X16_ROWS * row_bytes, base, blocks, rows.data(), row_bytes);
+      decode_rows_fast(base, rows.data(), row_bytes, K, 0, X16_ROWS, out + g * X16_ROWS * K,
+                       scratch.data());
+    }
+  });
+}
+#endif
+
 // The weight [N, K] the blocks stand for, in `dtype`.
 at::Tensor ggml_dequantize(const at::Tensor& blocks, int64_t type, int64_t columns,
                            at::ScalarType dtype) {
   check_blocks("ggml_dequantize", blocks, type, columns);
-  if (is_x16(type)) return x16_transposed(blocks, type, columns, dtype).t().contiguous();
-  const int64_t N = blocks.size(0), K = columns;
+  const int64_t N = weight_rows(blocks, type), K = columns;
   at::Tensor out = at::empty({N, K}, blocks.options().dtype(dtype));
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   const int64_t row_bytes = blocks.size(1);
   const auto decode = [&](auto* op) {
+    if (is_x16(type)) {
+#if defined(__AVX512F__)
+      return decode_groups(bp, type, K, blocks.size(0), op);
+#endif
+      TORCH_CHECK(false, "interleaved weights: this build has no AVX-512");
+    }
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       std::vector<float> scratch(K);
       decode_rows_fast(type, bp, row_bytes, K, n0, n1, op + n0 * K, scratch.data());
@@ -490,19 +549,10 @@ at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
   const int64_t M = x.size(0), N = weight_rows(blocks, type), K = x.size(1);
   if (round_inputs && M <= few_rows && int8_dot_serves(type, x.scalar_type(), K))
     return int8_dot_linear(x, blocks, type);
-  if (is_x16(type)) {  // many rows (or float inputs): ATen's GEMM over decoded chunks
-    at::Tensor y = at::empty({M, N}, x.options());
-    const int64_t groups = std::max<int64_t>(1, CHUNK_BYTES / (K * x.element_size() * X16_ROWS));
-    for (int64_t g = 0; g < blocks.size(0); g += groups) {
-      const int64_t count = std::min(groups, blocks.size(0) - g);
-      const at::Tensor weight_t = x16_transposed(blocks.narrow(0, g, count), type, K,
-                                                 x.scalar_type());
-      y.narrow(1, g * X16_ROWS, count * X16_ROWS).copy_(at::mm(x, weight_t));
-    }
-    return y;
-  }
+  // (Interleaved groups take the chunks below whatever the rows: float inputs are not what
+  // they are made for.)
 #if defined(__AVX512F__)
-  if (M <= few_rows && few_rows_serve(x)) {
+  if (M <= few_rows && few_rows_serve(x) && !is_x16(type)) {
     if (x.scalar_type() == at::kFloat) return few_rows_over<Fp32Dot>(x, blocks, type);
 #if defined(__AVX512BF16__)
     return few_rows_over<Bf16Dot>(x, blocks, type);
@@ -514,12 +564,13 @@ at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
     return avx2_few_rows_linear(x, blocks, type);
 #endif
   at::Tensor y = at::empty({M, N}, x.options());
-  const int64_t chunk = std::max<int64_t>(16, CHUNK_BYTES / (K * x.element_size()));
-  for (int64_t n = 0; n < N; n += chunk) {
-    const int64_t rows = std::min(chunk, N - n);
+  const int64_t per_row = is_x16(type) ? X16_ROWS : 1;  // weight rows in a row of `blocks`
+  const int64_t chunk = std::max<int64_t>(16, CHUNK_BYTES / (K * x.element_size())) / per_row;
+  for (int64_t n = 0; n < blocks.size(0); n += chunk) {
+    const int64_t rows = std::min(chunk, blocks.size(0) - n);
     const at::Tensor weight = ggml_dequantize(blocks.narrow(0, n, rows), type, K,
                                               x.scalar_type());
-    y.narrow(1, n, rows).copy_(at::linear(x, weight));
+    y.narrow(1, n * per_row, rows * per_row).copy_(at::linear(x, weight));
   }
   return y;
 }

@@ -131,9 +131,5 @@ bool int8_dot_serves(int64_t type, at::ScalarType dtype, int64_t K);
 // x [M, K] @ W^T over W's blocks of `type`, with x rounded to int8 per block of inputs (as
 // llama.cpp computes); `int8_dot_serves` must hold.
 at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type);
-// An interleaved format's groups [G, bytes] as the transposed weight W^T [K, 16 G] in `dtype`
-// (for GEMMs of many rows); only where `int8_dot_serves(type, ...)` holds.
-at::Tensor x16_transposed(const at::Tensor& groups, int64_t type, int64_t K,
-                          at::ScalarType dtype);
 
 }  // namespace braid_ggml

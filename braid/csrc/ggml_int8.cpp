@@ -405,7 +405,6 @@ inline void store_bf16(at::BFloat16* p, __m512 values) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
-inline void store_bf16(float* p, __m512 values) { _mm512_storeu_ps(p, values); }
 
 template <int64_t BASE, typename T>
 at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& groups) {
@@ -441,61 +440,6 @@ at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& groups) {
     }
   });
   return y;
-}
-
-// Block b of a group's weights (columns [32 b, 32 b + 32) of its 16 rows) into `out`, row k
-// of it at out + k * stride (16 values each), as the `gguf` package computes them (Q4_1:
-// d q + m, two roundings): each vector of quants gives 4 (Q8_0) or 8 (Q4) columns' 16 rows,
-// byte t of each lane (and its high nibble).
-template <int64_t BASE, typename T>
-void x16_decode_block(const uint8_t* group, int64_t blocks, int64_t b, T* out, int64_t stride) {
-  constexpr int64_t QUANT_BYTES = x16_quant_bytes(BASE);
-  const uint8_t* scales = group + blocks * QUANT_BYTES;
-  const __m512 d = halves_at(scales + 32 * b);
-  const __m512 minimums = BASE == Q4_1 ? halves_at(scales + 32 * (blocks + b))
-                                       : _mm512_setzero_ps();
-  const auto emit = [&](int64_t k, __m512i lanes) {  // lanes: the 16 rows' quants, int32
-    const __m512 q = _mm512_cvtepi32_ps(lanes);
-    store_bf16(out + k * stride, BASE == Q4_1 ? _mm512_add_ps(_mm512_mul_ps(d, q), minimums)
-                                              : _mm512_mul_ps(d, q));
-  };
-  for (int j = 0; j < QUANT_BYTES / 64; ++j) {
-    const __m512i both = _mm512_loadu_si512(group + QUANT_BYTES * b + 64 * j);
-    for (int t = 0; t < 4; ++t) {
-      if constexpr (BASE == Q8_0) {
-        const __m512i flipped = _mm512_xor_si512(both, _mm512_set1_epi8(static_cast<char>(0x80)));
-        emit(4 * j + t, _mm512_srai_epi32(_mm512_slli_epi32(flipped, 24 - 8 * t), 24));
-      } else {
-        const __m512i byte = _mm512_and_si512(_mm512_srli_epi32(both, 8 * t),
-                                              _mm512_set1_epi32(0xff));
-        const __m512i offset = _mm512_set1_epi32(BASE == Q4_0 ? 8 : 0);
-        emit(4 * j + t, _mm512_sub_epi32(_mm512_and_si512(byte, _mm512_set1_epi32(15)), offset));
-        emit(16 + 4 * j + t, _mm512_sub_epi32(_mm512_srli_epi32(byte, 4), offset));
-      }
-    }
-  }
-}
-
-// W^T [K, 16 G] of G groups: block by block (32 rows of W^T), every group's 16 columns of it
-// in turn, so that each row is written front to back (group by group, each group's K rows
-// were half-written cache lines far apart: a tenth slower GEMMs past 32 rows).
-template <int64_t BASE>
-at::Tensor transposed_groups(const at::Tensor& groups, int64_t K, at::ScalarType dtype) {
-  const int64_t G = groups.size(0), N = G * X16_ROWS, blocks = K / 32;
-  at::Tensor out = at::empty({K, N}, groups.options().dtype(dtype));
-  const uint8_t* gp = groups.data_ptr<uint8_t>();
-  const auto decode = [&](auto* op) {
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b)
-        for (int64_t g = 0; g < G; ++g)
-          x16_decode_block<BASE>(gp + g * groups.size(1), blocks, b,
-                                 op + 32 * b * N + g * X16_ROWS, N);
-    });
-  };
-  if (dtype == at::kFloat) decode(out.data_ptr<float>());
-  else if (dtype == at::kBFloat16) decode(out.data_ptr<at::BFloat16>());
-  else TORCH_CHECK(false, "interleaved weights decode to float32 or bfloat16, not ", dtype);
-  return out;
 }
 
 // Weight rows whose blocks stay in L1/L2 while every group of input rows passes over them
@@ -554,20 +498,6 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_
   return avx2_int8_linear(x, blocks, type);
 #else
   return at::Tensor();  // (not reached: nothing is served without VNNI or AVX2)
-#endif
-}
-
-at::Tensor x16_transposed(const at::Tensor& groups, int64_t type, int64_t K,
-                          at::ScalarType dtype) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  switch (type) {
-    case X16 + Q4_0: return transposed_groups<Q4_0>(groups, K, dtype);
-    case X16 + Q4_1: return transposed_groups<Q4_1>(groups, K, dtype);
-    case X16 + Q8_0: return transposed_groups<Q8_0>(groups, K, dtype);
-  }
-  TORCH_CHECK(false, "GGML type ", type, " is not an interleaved format");
-#else
-  TORCH_CHECK(false, "interleaved weights: this build has no AVX512-VNNI kernels");
 #endif
 }
 
