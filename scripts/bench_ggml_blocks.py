@@ -1,6 +1,7 @@
 """One GEMM over a GGUF format's blocks (`torch.ops.braid.ggml_linear`) against a dense
 weight of the same shape (the few-row kernel where it serves the dtype, else ATen's GEMM):
-milliseconds a call and weights a second.
+milliseconds a call and weights a second; Q4_0, Q4_1 and Q8_0 also interleaved 16 rows to a
+group (`ggml_weight.interleave_rows`) where the int8 kernel serves them.
 
     python scripts/bench_ggml_blocks.py --rows 8192 --columns 2048 --threads 1 --inputs 1
     python scripts/bench_ggml_blocks.py --dtype fp32 --block-inputs float  # AVX2 hosts
@@ -18,6 +19,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from braid import native
 from braid.layers import decode_kernel
+from braid.layers.ggml_weight import X16, X16_ROWS, interleave_rows, rounds_inputs
+
+INTERLEAVED = {2, 3, 8}  # Q4_0, Q4_1, Q8_0: interleaved 16 rows to a group where the kernel serves
 
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_K"]
 # Where each format keeps its fp16 scale (and minimum) in a block
@@ -71,6 +75,13 @@ def main() -> None:
             x, b, k, 32, round_inputs))
         print(f"{name}: {ms:.2f} ms ({weights / ms / 1e6:.1f} G weights/s), "
               f"{blocks.numel() / weights:.2f} bytes a weight")
+        interleaved = X16 + int(kind)
+        if (round_inputs and int(kind) in INTERLEAVED and args.rows % X16_ROWS == 0
+                and rounds_inputs(interleaved, dtype, args.columns)):
+            groups = interleave_rows(blocks, int(kind))
+            ms = milliseconds(lambda g=groups, k=interleaved: torch.ops.braid.ggml_linear(
+                x, g, k, 32, round_inputs))
+            print(f"{name}, interleaved: {ms:.2f} ms ({weights / ms / 1e6:.1f} G weights/s)")
 
 
 if __name__ == "__main__":

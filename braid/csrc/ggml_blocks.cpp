@@ -367,23 +367,27 @@ void ungroup(const uint8_t* group, int64_t base, int64_t blocks, uint8_t* out,
     uint8_t* first = out + b * f.bytes;
     for (int64_t h = 0; h < halves; ++h)
       for (int64_t r = 0; r < X16_ROWS; ++r)
-        std::memcpy(first + r * row_bytes + 2 * h, factors + ((h * blocks + b) * X16_ROWS + r) * 2,
-                    2);
+        std::memcpy(first + r * row_bytes + 2 * h,
+                    factors + ((h * blocks + b) * X16_ROWS + r) * 2, 2);
     const uint8_t* vectors = group + b * X16_ROWS * quant_bytes;
     for (int64_t part = 0; part < quant_bytes / 16; ++part) {  // 16 bytes of each row
       __m512i v[4];
       for (int j = 0; j < 4; ++j)
         v[j] = _mm512_xor_si512(_mm512_loadu_si512(vectors + 64 * (4 * part + j)), flip);
-      const __m512i low01 = _mm512_unpacklo_epi32(v[0], v[1]), high01 = _mm512_unpackhi_epi32(v[0], v[1]);
-      const __m512i low23 = _mm512_unpacklo_epi32(v[2], v[3]), high23 = _mm512_unpackhi_epi32(v[2], v[3]);
-      // rows 4 i + k in 128-bit lane i of rows_k
-      const __m512i rows[4] = {_mm512_unpacklo_epi64(low01, low23), _mm512_unpackhi_epi64(low01, low23),
-                               _mm512_unpacklo_epi64(high01, high23), _mm512_unpackhi_epi64(high01, high23)};
+      const __m512i low01 = _mm512_unpacklo_epi32(v[0], v[1]);
+      const __m512i high01 = _mm512_unpackhi_epi32(v[0], v[1]);
+      const __m512i low23 = _mm512_unpacklo_epi32(v[2], v[3]);
+      const __m512i high23 = _mm512_unpackhi_epi32(v[2], v[3]);
+      // rows 4 i + k in 128-bit lane i of rows[k]
+      const __m512i rows[4] = {
+          _mm512_unpacklo_epi64(low01, low23), _mm512_unpackhi_epi64(low01, low23),
+          _mm512_unpacklo_epi64(high01, high23), _mm512_unpackhi_epi64(high01, high23)};
       uint8_t* quants = first + 2 * halves + 16 * part;
       for (int k = 0; k < 4; ++k) {
         alignas(64) uint8_t lanes[64];
         _mm512_store_si512(lanes, rows[k]);
-        for (int i = 0; i < 4; ++i) std::memcpy(quants + (4 * i + k) * row_bytes, lanes + 16 * i, 16);
+        for (int i = 0; i < 4; ++i)
+          std::memcpy(quants + (4 * i + k) * row_bytes, lanes + 16 * i, 16);
       }
     }
   }

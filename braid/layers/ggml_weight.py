@@ -171,9 +171,9 @@ def interleave_rows(blocks: torch.Tensor, kind: int) -> torch.Tensor:
     per_row = blocks.view(rows // X16_ROWS, X16_ROWS, -1, 2 * factors + quant_bytes)
     halves = per_row[..., :2 * factors].unflatten(-1, (factors, 2)).permute(0, 3, 2, 1, 4)
     quants = per_row[..., 2 * factors:].unflatten(-1, (quant_bytes // 4, 4))
-    quants = quants.permute(0, 2, 3, 1, 4).reshape(quants.shape[0], -1)  # [g, b, j, r, 4]
+    quants = quants.permute(0, 2, 3, 1, 4).reshape(quants.shape[0], -1)  # [g, b, j, r, 4]: a copy
     if kind == Q8_0:
-        quants = quants ^ 0x80
+        quants.bitwise_xor_(0x80)
     return torch.cat([quants, halves.reshape(halves.shape[0], -1)], dim=1)
 
 
@@ -185,9 +185,9 @@ def plain_rows(groups: torch.Tensor, kind: int, ids: torch.Tensor) -> torch.Tens
     quants = groups[:, :blocks * X16_ROWS * quant_bytes].view(count, blocks, -1, X16_ROWS, 4)
     halves = groups[:, blocks * X16_ROWS * quant_bytes:].view(count, factors, blocks, X16_ROWS, 2)
     group, lane = ids // X16_ROWS, ids % X16_ROWS
-    row_quants = quants[group, :, :, lane].flatten(-2)  # [n, blocks, quant_bytes]
+    row_quants = quants[group, :, :, lane].flatten(-2)  # [n, blocks, quant_bytes]: a copy
     if kind == Q8_0:
-        row_quants = row_quants ^ 0x80
+        row_quants.bitwise_xor_(0x80)
     row_halves = halves[group, :, :, lane].permute(0, 2, 1, 3).flatten(-2)  # [n, blocks, 2 f]
     return torch.cat([row_halves, row_quants], dim=-1).flatten(1)
 
