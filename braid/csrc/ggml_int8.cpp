@@ -316,15 +316,17 @@ struct BlockInput {
   template <typename T>
   BlockInput(const T* x, int64_t M, int64_t K)
       : K(K), blocks(K / 32), q(M * K), scale(M * blocks), sum(M * blocks, 0) {
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t b = 0; b < blocks; ++b) {
-        int32_t& total = sum[m * blocks + b];
-        scale[m * blocks + b] = round_block(x + m * K + 32 * b, 32, [&](int i, __m512i r) {
-          store_bytes(q.data() + m * K + 32 * b + 16 * i, r);
-          total += _mm512_reduce_add_epi32(r);
-        });
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          int32_t& total = sum[m * blocks + b];
+          scale[m * blocks + b] = round_block(x + m * K + 32 * b, 32, [&](int i, __m512i r) {
+            store_bytes(q.data() + m * K + 32 * b + 16 * i, r);
+            total += _mm512_reduce_add_epi32(r);
+          });
+        }
       }
-    }
+    });
   }
 };
 
@@ -409,6 +411,7 @@ inline void store_bf16(at::BFloat16* p, __m512 values) {
 template <int64_t BASE, typename T>
 at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& groups) {
   constexpr int64_t MR = 8;  // input rows a pass over a group's blocks takes
+  constexpr int64_t M_TILE = 64;
   const int64_t M = x.size(0), G = groups.size(0), N = G * X16_ROWS, K = x.size(1);
   const at::Tensor xc = x.contiguous();
   const BlockInput in(xc.data_ptr<T>(), M, K);
@@ -416,29 +419,32 @@ at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& groups) {
   const uint8_t* gp = groups.data_ptr<uint8_t>();
   T* yp = y.data_ptr<T>();
   const int64_t group_bytes = groups.size(1);
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* group = gp + g * group_bytes;
-      for (int64_t m = 0; m < M; m += MR) {
-        __m512 out[MR];
-        const auto pass = [&](auto rows) {
-          constexpr int R = decltype(rows)::value;
-          x16_group<BASE, R>(group, in, m, out);
-          for (int i = 0; i < R; ++i) store_bf16(yp + (m + i) * N + g * X16_ROWS, out[i]);
-        };
-        switch (std::min(M - m, MR)) {
-          case 1: pass(std::integral_constant<int, 1>()); break;
-          case 2: pass(std::integral_constant<int, 2>()); break;
-          case 3: pass(std::integral_constant<int, 3>()); break;
-          case 4: pass(std::integral_constant<int, 4>()); break;
-          case 5: pass(std::integral_constant<int, 5>()); break;
-          case 6: pass(std::integral_constant<int, 6>()); break;
-          case 7: pass(std::integral_constant<int, 7>()); break;
-          default: pass(std::integral_constant<int, 8>()); break;
+  // Tiles of input rows, each passed over every group while its int8 rows stay in L1/L2
+  for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
+    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const uint8_t* group = gp + g * group_bytes;
+        for (int64_t m = m0; m < std::min(M, m0 + M_TILE); m += MR) {
+          __m512 out[MR];
+          const auto pass = [&](auto rows) {
+            constexpr int R = decltype(rows)::value;
+            x16_group<BASE, R>(group, in, m, out);
+            for (int i = 0; i < R; ++i) store_bf16(yp + (m + i) * N + g * X16_ROWS, out[i]);
+          };
+          switch (std::min(M - m, MR)) {
+            case 1: pass(std::integral_constant<int, 1>()); break;
+            case 2: pass(std::integral_constant<int, 2>()); break;
+            case 3: pass(std::integral_constant<int, 3>()); break;
+            case 4: pass(std::integral_constant<int, 4>()); break;
+            case 5: pass(std::integral_constant<int, 5>()); break;
+            case 6: pass(std::integral_constant<int, 6>()); break;
+            case 7: pass(std::integral_constant<int, 7>()); break;
+            default: pass(std::integral_constant<int, 8>()); break;
+          }
         }
       }
-    }
-  });
+    });
+  }
   return y;
 }
 
