@@ -239,12 +239,14 @@ class CompileConfig(_Group):
         "columns are not a multiple of 256), computed from as a GGUF file's, no dense copy "
         "kept (CPU)", choices=("auto", "none", "int8", "int4"))
     block_inputs: str = setting(
-        "int8", "how GEMMs of up to 32 rows (decode, small batches) over quantized blocks "
-        "(GGUF, AWQ/GPTQ, --quantization int4/int8) take their inputs. int8: rounded to int8 per "
-        "block and multiplied with the quants in integers, llama.cpp's arithmetic, where this "
-        "CPU has the kernel: Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 in bf16 with AVX512-VNNI, Q4_K, "
-        "Q6_K and Q8_0 in fp32 on AVX2-only CPUs; float: the decoded weights times the "
-        "inputs in --dtype, the product over the dequantized weight", choices=("int8", "float"))
+        "int8", "how GEMMs over quantized blocks (GGUF, AWQ/GPTQ, --quantization int4/int8) "
+        "take their inputs. int8: rounded to int8 per block and multiplied with the quants in "
+        "integers, llama.cpp's arithmetic, where this CPU has the kernel: up to 32 rows "
+        "(decode, small batches) for Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 in bf16 with "
+        "AVX512-VNNI, and at every row count (prefill too) for Q4_0, Q4_1 and Q8_0 there "
+        "unless the CPU has AMX; Q4_K, Q6_K and Q8_0 up to 32 rows in fp32 on AVX2-only CPUs; "
+        "float: the decoded weights times the inputs in --dtype, the product over the "
+        "dequantized weight", choices=("int8", "float"))
     weight_packing: str = setting(
         "auto", "oneDNN's blocked copy of bf16 linear weights on CPU, beside the row-major one "
         "(the weights' memory again), read by GEMMs past the few-row kernel's rows. auto: where "

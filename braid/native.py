@@ -135,7 +135,7 @@ def _register_fakes() -> None:
         return blocks.new_empty(ggml_weight_rows(blocks, type), columns, dtype=dtype)
 
     @fake("braid::ggml_linear")
-    def _(x, blocks, type, few_rows, round_inputs):
+    def _(x, blocks, type, few_rows, int8_rows):
         return x.new_empty(x.shape[0], ggml_weight_rows(blocks, type))
 
     @fake("braid::causal_prefill_attention")

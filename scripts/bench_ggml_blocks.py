@@ -19,7 +19,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from braid import native
 from braid.layers import decode_kernel
-from braid.layers.ggml_weight import X16, X16_ROWS, interleave_rows, rounds_inputs
+from braid.layers.ggml_weight import (
+    ALL_ROWS,
+    FEW_ROWS,
+    X16,
+    X16_ROWS,
+    interleave_rows,
+    rounds_inputs,
+)
 
 INTERLEAVED = {2, 3, 8}  # Q4_0, Q4_1, Q8_0: interleaved 16 rows to a group where the kernel serves
 
@@ -69,10 +76,11 @@ def main() -> None:
     ms = milliseconds(lambda: dense_linear(x, dense))
     print(f"dense {args.dtype}: {ms:.2f} ms ({weights / ms / 1e6:.1f} G weights/s)")
     round_inputs = args.block_inputs == "int8"
+    int8_rows = FEW_ROWS if round_inputs else 0
     for name in FORMATS:
         blocks, kind = random_blocks(name, args.rows, args.columns), GGMLQuantizationType[name]
         ms = milliseconds(lambda b=blocks, k=int(kind): torch.ops.braid.ggml_linear(
-            x, b, k, 32, round_inputs))
+            x, b, k, FEW_ROWS, int8_rows))
         print(f"{name}: {ms:.2f} ms ({weights / ms / 1e6:.1f} G weights/s), "
               f"{blocks.numel() / weights:.2f} bytes a weight")
         interleaved = X16 + int(kind)
@@ -80,7 +88,7 @@ def main() -> None:
                 and rounds_inputs(interleaved, dtype, args.columns)):
             groups = interleave_rows(blocks, int(kind))
             ms = milliseconds(lambda g=groups, k=interleaved: torch.ops.braid.ggml_linear(
-                x, g, k, 32, round_inputs))
+                x, g, k, FEW_ROWS, ALL_ROWS))
             print(f"{name}, interleaved: {ms:.2f} ms ({weights / ms / 1e6:.1f} G weights/s)")
 
 

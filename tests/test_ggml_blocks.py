@@ -10,6 +10,7 @@ llama.cpp's arithmetic gives."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -24,6 +25,7 @@ from braid import LLM, SamplingParams, native
 from braid.distributed.comm import SkipCommunicator
 from braid.layers import decode_kernel
 from braid.layers.ggml_weight import (
+    ALL_ROWS,
     FEW_ROWS,
     X16,
     GGMLWeight,
@@ -83,6 +85,11 @@ def int8_input_product(x: torch.Tensor, weight: torch.Tensor, block: int) -> tor
 INPUT_BLOCK = {Q.Q4_K: 256, Q.Q6_K: 256, Q.Q8_0: 32}
 
 
+def int8_rows(round_inputs: bool) -> int:
+    """`ggml_linear`'s rows rounded to int8 with and without `--block-inputs int8`."""
+    return FEW_ROWS if round_inputs else 0
+
+
 def int8_inputs(kind: Q, x: torch.Tensor, round_inputs: bool = True) -> bool:
     return round_inputs and x.shape[0] <= FEW_ROWS and rounds_inputs(int(kind), x.dtype,
                                                                      x.shape[1])
@@ -111,7 +118,7 @@ def test_a_product_over_blocks_is_the_product_with_the_dequantized_weight(kind, 
     for m in (1, 3, 5, 9, FEW_ROWS + 7):
         x = torch.randn(m, columns, generator=gen).to(dtype)
         y = torch.ops.braid.ggml_linear(x, torch.from_numpy(blocks), int(kind), FEW_ROWS,
-                                        round_inputs)
+                                        int8_rows(round_inputs))
         assert y.dtype == dtype and y.shape == (m, rows)
         expected = reference_product(x, weight, kind, round_inputs)
         # Rounding bounds relative to the sum of |products|: fp32 sums in another order, bf16
@@ -146,10 +153,11 @@ def test_a_few_rows_over_blocks_do_not_depend_on_the_row_count(kind, dtype, roun
     weight = dequantized(blocks.numpy(), kind, columns).to(dtype)
     x = torch.randn(FEW_ROWS, columns, generator=torch.Generator().manual_seed(0)).to(dtype)
     for m in (1, 2, 3, 4, 5, 8, 9, FEW_ROWS):
-        y = torch.ops.braid.ggml_linear(x[-m:], blocks, int(kind), FEW_ROWS, round_inputs)
+        y = torch.ops.braid.ggml_linear(x[-m:], blocks, int(kind), FEW_ROWS,
+                                        int8_rows(round_inputs))
         if avx2 or int8_inputs(kind, x[-m:], round_inputs):
             alone = [torch.ops.braid.ggml_linear(x[i:i + 1], blocks, int(kind), FEW_ROWS,
-                                                 round_inputs)
+                                                 int8_rows(round_inputs))
                      for i in range(FEW_ROWS - m, FEW_ROWS)]
             assert torch.equal(y, torch.cat(alone)), m
         else:
@@ -162,9 +170,10 @@ def test_a_few_rows_over_blocks_do_not_depend_on_the_row_count(kind, dtype, roun
 def test_interleaved_blocks_decode_and_multiply_as_the_blocks(kind):
     """Q4_0, Q4_1 and Q8_0 interleaved 16 rows to a group (`interleave_rows`, made at load
     where the bf16 int8 kernel serves them) decode and look rows up as the blocks they came
-    from; up to FEW_ROWS rows their products are those of the int8-rounded inputs (each row's
-    bits those it has alone), within the bounds of the tests above, and beyond them the
-    blocks' own bits (the groups decoded back into blocks)."""
+    from; up to the rows that round their inputs (FEW_ROWS, or any number: CPUs without AMX)
+    their products are those of the int8-rounded inputs (each row's bits those it has alone,
+    across the kernel's tiles of 64 rows too), within the bounds of the tests above, and beyond
+    them the blocks' own bits (the groups decoded back into blocks)."""
     rows, columns = 96, 512
     blocks = random_blocks(kind, rows, columns, seed=3)
     weight = dequantized(blocks, kind, columns)
@@ -177,30 +186,31 @@ def test_interleaved_blocks_decode_and_multiply_as_the_blocks(kind):
     ids = torch.tensor([[0, 17, 95], [5, 5, 64]])
     looked_up = GGMLWeight(columns, [interleaved], [groups]).lookup(ids, torch.bfloat16)
     assert torch.equal(looked_up, weight.bfloat16()[ids])
-    x = torch.randn(FEW_ROWS + 7, columns, generator=torch.Generator().manual_seed(0)).bfloat16()
-    for m in (1, 5, 9, FEW_ROWS, FEW_ROWS + 7):
-        y = torch.ops.braid.ggml_linear(x[:m], groups, interleaved, FEW_ROWS, True)
-        few = m <= FEW_ROWS
-        expected = (int8_input_product(x[:m], weight, 32) if few
+    x = torch.randn(80, columns, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for m, rounded in itertools.product((1, 5, 9, FEW_ROWS, FEW_ROWS + 7, 80),
+                                        (FEW_ROWS, ALL_ROWS)):
+        y = torch.ops.braid.ggml_linear(x[:m], groups, interleaved, FEW_ROWS, rounded)
+        int8 = m <= rounded
+        expected = (int8_input_product(x[:m], weight, 32) if int8
                     else x[:m].double() @ weight.double().T)
         bound = 2 ** -8 * (x[:m].double().abs() @ weight.double().abs().T)
-        assert ((y.double() - expected).abs() <= bound).all(), m
-        if few:
-            alone = [torch.ops.braid.ggml_linear(x[i:i + 1], groups, interleaved, FEW_ROWS, True)
-                     for i in range(m)]
-            assert torch.equal(y, torch.cat(alone)), m
+        assert ((y.double() - expected).abs() <= bound).all(), (m, rounded)
+        if int8:
+            alone = [torch.ops.braid.ggml_linear(x[i:i + 1], groups, interleaved, FEW_ROWS,
+                                                 rounded) for i in range(m)]
+            assert torch.equal(y, torch.cat(alone)), (m, rounded)
         else:
             assert torch.equal(y, torch.ops.braid.ggml_linear(x[:m], torch.from_numpy(blocks),
-                                                              int(kind), FEW_ROWS, True))
+                                                              int(kind), FEW_ROWS, rounded))
 
 
 def test_blocks_of_another_width_are_refused():
     blocks = torch.from_numpy(random_blocks(Q.Q4_K, 4, 512))
     with pytest.raises(RuntimeError, match="512 columns in blocks of 256 take 288 bytes"):
         torch.ops.braid.ggml_linear(torch.zeros(1, 512), blocks[:, :100].contiguous(),
-                                    int(Q.Q4_K), FEW_ROWS, True)
+                                    int(Q.Q4_K), FEW_ROWS, FEW_ROWS)
     with pytest.raises(RuntimeError, match="GGML type 1 has no block decoder"):
-        torch.ops.braid.ggml_linear(torch.zeros(1, 512), blocks, 1, FEW_ROWS, True)
+        torch.ops.braid.ggml_linear(torch.zeros(1, 512), blocks, 1, FEW_ROWS, FEW_ROWS)
 
 
 class BlockTensor(LazyWeight):

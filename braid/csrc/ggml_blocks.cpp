@@ -544,17 +544,17 @@ bool few_rows_serve(const at::Tensor& x) {
 constexpr int64_t CHUNK_BYTES = 4 << 20;
 
 // x [M, K] @ W^T for the weight W [N, K] in GGML blocks of `type`, in x's dtype: up to
-// `few_rows` rows through the int8 kernels (with `round_inputs`, where they serve) or the
-// few-row kernel over decoded tiles, more through ATen's GEMM over decoded chunks of rows.
+// `int8_rows` rows through the int8 kernels (where they serve), else up to `few_rows` through
+// the few-row kernel over decoded tiles, more through ATen's GEMM over decoded chunks of rows.
 at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
-                       int64_t few_rows, bool round_inputs) {
+                       int64_t few_rows, int64_t int8_rows) {
   TORCH_CHECK(x.dim() == 2, "ggml_linear: an input [M, K], got ", x.sizes());
   check_blocks("ggml_linear", blocks, type, x.size(1));
   const int64_t M = x.size(0), N = weight_rows(blocks, type), K = x.size(1);
-  if (round_inputs && M <= few_rows && int8_dot_serves(type, x.scalar_type(), K))
+  if (M <= int8_rows && int8_dot_serves(type, x.scalar_type(), K))
     return int8_dot_linear(x, blocks, type);
-  // (Interleaved groups take the chunks below whatever the rows: float inputs are not what
-  // they are made for.)
+  // (Interleaved groups past `int8_rows` take the chunks below whatever the rows: float inputs
+  // are not what they are made for.)
 #if defined(__AVX512F__)
   if (M <= few_rows && few_rows_serve(x) && !is_x16(type)) {
     if (x.scalar_type() == at::kFloat) return few_rows_over<Fp32Dot>(x, blocks, type);
@@ -583,7 +583,7 @@ at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
 
 TORCH_LIBRARY_FRAGMENT(braid, m) {
   m.def("ggml_dequantize(Tensor blocks, int type, int columns, ScalarType dtype) -> Tensor");
-  m.def("ggml_linear(Tensor x, Tensor blocks, int type, int few_rows, bool round_inputs) -> Tensor");
+  m.def("ggml_linear(Tensor x, Tensor blocks, int type, int few_rows, int int8_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(braid, CPU, m) {

@@ -10,7 +10,9 @@ lookup decodes the rows it reads. Decoded values are those of the `gguf` package
 bits, up to FEW_ROWS rows), except where the few-row GEMMs round their inputs to int8 as
 llama.cpp does (`rounds_inputs`, `--block-inputs int8`: `csrc/ggml_int8.cpp`,
 `csrc/ggml_int8_avx2.cpp`). For that kernel Q4_0, Q4_1 and Q8_0 weights are rearranged at load,
-16 rows to a group (`interleave_rows`: same bytes, in the order its vectors read them).
+16 rows to a group (`interleave_rows`: same bytes, in the order its vectors read them); on CPUs
+without AMX their GEMMs of every row count (prefill too) round their inputs, as llama.cpp's do:
+there the int8 kernel beats decoding tiles for a bf16 GEMM.
 
 Loading goes through the layers' usual weight loaders: where a checkpoint tensor has blocks
 (`LazyWeight.ggml_type`) and the layer computes from them, the loader files the rows under the
@@ -37,6 +39,8 @@ from braid.platform import release_free_memory
 # GEMMs of at most this many rows run the few-row kernel over decoded tiles; larger ones
 # decode chunks of rows for ATen's GEMM (docs/kernel-choices.md, "GGUF blocks")
 FEW_ROWS = 32
+# (`ggml_linear`'s row limit meaning "any number")
+ALL_ROWS = 2**62
 # Weights merged between two trims of the heap (a trim walks the heap: milliseconds)
 TRIM_EVERY = 16
 # GGML's types that braid interleaves 16 rows to a group for its int8 kernel
@@ -68,12 +72,14 @@ class GGMLWeight:
     """A layer's weight `[rows, columns]` as runs of rows in GGML blocks: `types[i]` and
     `blocks[i]` (uint8, `[rows_i, bytes]`) for consecutive runs (one where the checkpoint's
     tensors of a fused parameter share a format). `round_inputs`: GEMMs of a few rows round
-    their inputs to int8 where a kernel does (`rounds_inputs`; `--block-inputs`)."""
+    their inputs to int8 where a kernel does (`rounds_inputs`; `--block-inputs`), and with
+    `round_all_rows` GEMMs of any number of rows over interleaved groups do."""
 
     columns: int
     types: list[int]
     blocks: list[torch.Tensor]
     round_inputs: bool = True
+    round_all_rows: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -82,10 +88,16 @@ class GGMLWeight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ weight.T`, in `x`'s dtype."""
         rows = x.reshape(-1, x.shape[-1])
-        parts = [torch.ops.braid.ggml_linear(rows, blocks, kind, FEW_ROWS, self.round_inputs)
+        parts = [torch.ops.braid.ggml_linear(rows, blocks, kind, FEW_ROWS, self._int8_rows(kind))
                  for kind, blocks in zip(self.types, self.blocks)]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def _int8_rows(self, kind: int) -> int:
+        """The rows up to which a GEMM over blocks of `kind` rounds its inputs to int8."""
+        if not self.round_inputs:
+            return 0
+        return ALL_ROWS if kind > X16 and self.round_all_rows else FEW_ROWS
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight in `dtype` (an embedding; one run of rows)."""
@@ -139,18 +151,20 @@ def keep_blocks(model: nn.Module) -> int:
     return sum(w.nbytes for w in kept.values() if w is not None)
 
 
-def set_input_rounding(model: nn.Module, round_inputs: bool, dtype: torch.dtype) -> None:
+def set_input_rounding(model: nn.Module, round_inputs: bool, all_rows: bool,
+                       dtype: torch.dtype) -> None:
     """Whether the few-row GEMMs over every block weight of `model` (a checkpoint's or
     `--quantization int4|int8`'s) round their inputs to int8 (`--block-inputs`); where they do
     and this CPU's kernel multiplies `dtype` inputs by 16 rows at a time, Q4_0, Q4_1 and Q8_0
-    weights are interleaved for it (`interleave_rows`; a tied embedding shares the result)."""
+    weights are interleaved for it (`interleave_rows`; a tied embedding shares the result), and
+    with `all_rows` their GEMMs of any number of rows round their inputs too."""
     seen: set[int] = set()
     for layer in model.modules():
         weight = getattr(layer, "ggml", None)
         if weight is None or id(weight) in seen:
             continue
         seen.add(id(weight))
-        weight.round_inputs = round_inputs
+        weight.round_inputs, weight.round_all_rows = round_inputs, all_rows
         for run, (kind, blocks) in enumerate(zip(weight.types, weight.blocks)):
             if (round_inputs and kind in _FACTORS_AND_QUANTS
                     and blocks.shape[0] % X16_ROWS == 0

@@ -35,6 +35,9 @@ class KernelPlan:
     # GEMMs of a few rows over blocks (GGUF, int4) round their inputs to int8 where a kernel
     # does (`--block-inputs`)
     round_block_inputs: bool = True
+    # ... and so do GEMMs of any number of rows over Q4_0, Q4_1 and Q8_0 blocks interleaved
+    # for the int8 kernel (`ggml_weight.interleave_rows`)
+    block_inputs_all_rows: bool = False
     # Linear weights rounded at load into GGML blocks of this many bits (`--quantization int4`
     # or `int8`, `braid.layers.weight_rounding`); 0: none
     rounded_weights: int = 0
@@ -49,6 +52,11 @@ class KernelPlan:
     # Why steps run eager (None: compiled steps, once `ModelRunner.prepare_compiled` ran)
     not_compiled: str | None = "no kernel plan"
 
+    def _block_inputs(self) -> str:
+        if not self.round_block_inputs:
+            return "float"
+        return "int8 (16-row groups at any rows)" if self.block_inputs_all_rows else "int8"
+
     def describe(self) -> str:
         """One line: what the rank runs."""
         packed = ("off" if not self.packed_weights else
@@ -57,7 +65,7 @@ class KernelPlan:
         return (f"decode attention {self.decode_attention}, prefill attention "
                 f"{self.prefill_attention}, KV layout {self.kv_layout}, packed weights "
                 f"{packed}, GGUF blocks {'kept' if self.gguf_blocks else 'dequantized'}, "
-                f"block inputs {'int8' if self.round_block_inputs else 'float'}, weights "
+                f"block inputs {self._block_inputs()}, weights "
                 f"rounded at load {rounded}, "
                 f"few-row GEMMs {f'up to {self.few_rows} rows' if self.few_rows else 'off'}, "
                 f"compiled steps {self.not_compiled or 'on'}")

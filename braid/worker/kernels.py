@@ -49,6 +49,9 @@ def plan_kernels(engine: EngineConfig, model: nn.Module) -> KernelPlan:
         prefill_attention=_prefill_attention(decode_operator, attention, dtype, device),
         gguf_blocks=operators and keeps_quantized_blocks(engine, model.config),
         round_block_inputs=engine.compile.block_inputs == "int8",
+        # Without AMX, the int8 kernel over interleaved groups beats a bf16 GEMM over decoded
+        # tiles at every row count; with it, AMX's bf16 GEMM is the faster for many rows
+        block_inputs_all_rows="amx_bf16" not in cpu_flags(),
         rounded_weights=_rounded_weights(engine, operators),
         packed_weights=(_packs(engine, operators)
                         and packing_supported(torch.empty(0, dtype=dtype, device=device))),

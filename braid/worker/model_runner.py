@@ -101,7 +101,8 @@ class ModelRunner:
         keep_blocks(self.model)
         if self.kernels.rounded_weights:
             round_linear_weights(self.model, self.kernels.rounded_weights)
-        set_input_rounding(self.model, self.kernels.round_block_inputs, engine.torch_dtype)
+        set_input_rounding(self.model, self.kernels.round_block_inputs,
+                           self.kernels.block_inputs_all_rows, engine.torch_dtype)
         release_free_memory()
         self.model.to(self.device).eval()
         self._packed = make_weight_forms(self.model, self.kernels)
