@@ -243,7 +243,7 @@ class CompileConfig(_Group):
         "take their inputs. int8: rounded to int8 per block and multiplied with the quants in "
         "integers, llama.cpp's arithmetic, where this CPU has the kernel: up to 32 rows "
         "(decode, small batches) for Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 in bf16 with "
-        "AVX512-VNNI, and at every row count (prefill too) for Q4_0, Q4_1 and Q8_0 there "
+        "AVX512-VNNI, and at every row count (prefill too) for Q4_0, Q4_1, Q8_0 and Q4_K there "
         "unless the CPU has AMX; Q4_K, Q6_K and Q8_0 up to 32 rows in fp32 on AVX2-only CPUs; "
         "float: the decoded weights times the inputs in --dtype, the product over the "
         "dequantized weight", choices=("int8", "float"))

@@ -1,6 +1,6 @@
 """One GEMM over a GGUF format's blocks (`torch.ops.braid.ggml_linear`) against a dense
 weight of the same shape (the few-row kernel where it serves the dtype, else ATen's GEMM):
-milliseconds a call and weights a second; Q4_0, Q4_1 and Q8_0 also interleaved 16 rows to a
+milliseconds a call and weights a second; Q4_0, Q4_1, Q8_0 and Q4_K also interleaved 16 rows to a
 group (`ggml_weight.interleave_rows`) where the int8 kernel serves them.
 
     python scripts/bench_ggml_blocks.py --rows 8192 --columns 2048 --threads 1 --inputs 1
@@ -28,7 +28,8 @@ from braid.layers.ggml_weight import (
     rounds_inputs,
 )
 
-INTERLEAVED = {2, 3, 8}  # Q4_0, Q4_1, Q8_0: interleaved 16 rows to a group where the kernel serves
+# Q4_0, Q4_1, Q8_0, Q4_K: interleaved 16 rows to a group where the kernel serves
+INTERLEAVED = {2, 3, 8, 12}
 
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_K"]
 # Where each format keeps its fp16 scale (and minimum) in a block

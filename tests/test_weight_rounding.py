@@ -13,6 +13,7 @@ from conftest import hf_greedy, slow
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from gguf.quants import quantize as gguf_quantize
+from test_ggml_blocks import check_shortfalls, int8_dtype
 from test_hf_parity import check_logits
 
 from braid import LLM, SamplingParams, native
@@ -91,6 +92,20 @@ def rounded_reference(hf_model, bits: int):
                 back = dequantize(blocks.blocks[0].numpy(), kind).reshape(weight.shape)
                 weight.copy_(torch.from_numpy(np.ascontiguousarray(back)))
     return model
+
+
+@pytest.mark.skipif(int8_dtype() != "bf16", reason="no bf16 int8 kernel over blocks on this CPU")
+def test_int4_through_int8_inputs_is_the_rounded_models_choices(model_path, prompt_ids,
+                                                                 hf_model):
+    """bf16 with --quantization int4 at tp 2, overlap on, llama.cpp's arithmetic (int8
+    inputs): the MLP's down projection in Q4_K, the rest in Q4_1, interleaved for the int8
+    kernel (prefill too on CPUs without AMX). Fed the same tokens, transformers' fp32 model
+    with the weights rounded alike ranks each greedy token within LOGIT_MARGIN of its best."""
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    with LLM(model_path, tp=2, dtype="bf16", overlap="on", quantization="int4") as llm:
+        assert all("block inputs int8" in r.kernels for r in llm.core.executor.readies)
+        outputs = llm.generate(prompt_ids, params)
+    check_shortfalls(rounded_reference(hf_model, 4), prompt_ids, outputs)
 
 
 @pytest.fixture(scope="module")

@@ -355,13 +355,17 @@ int64_t weight_rows(const at::Tensor& blocks, int64_t type) {
 #if defined(__AVX512F__)
 // One group of an interleaved format (ggml_format.h) back into the 16 rows of blocks it was
 // made from (`ggml_weight.interleave_rows` undone; `out` holds 16 rows of `row_bytes`): per
-// block, lane r of its quant vectors j = 0..3 (and 4..7 for Q8_0) are row r's bytes 4 j to
-// 4 j + 3, a transpose of 4 x 16 words at a time (each 128-bit lane of the result: one row).
+// block, lane r of its quant vectors j are row r's bytes 4 j to 4 j + 3, a transpose of
+// 4 x 16 words at a time (each 128-bit lane of the result: one row); Q4_K's scale words
+// likewise, a word at a time.
 void ungroup(const uint8_t* group, int64_t base, int64_t blocks, uint8_t* out,
              int64_t row_bytes) {
   const Format f = format_of(base);
-  const int64_t halves = base == Q4_1 ? 2 : 1, quant_bytes = f.bytes - 2 * halves;
+  const X16Layout layout = x16_layout(base);
+  const int64_t halves = layout.factors, quant_bytes = layout.quant_bytes;
+  const int64_t quants_at = 2 * halves + layout.scale_bytes;  // within a block
   const uint8_t* factors = group + blocks * X16_ROWS * quant_bytes;
+  const uint8_t* scale_words = factors + halves * blocks * X16_ROWS * 2;
   const __m512i flip = _mm512_set1_epi8(base == Q8_0 ? static_cast<char>(0x80) : 0);
   for (int64_t b = 0; b < blocks; ++b) {
     uint8_t* first = out + b * f.bytes;
@@ -369,6 +373,10 @@ void ungroup(const uint8_t* group, int64_t base, int64_t blocks, uint8_t* out,
       for (int64_t r = 0; r < X16_ROWS; ++r)
         std::memcpy(first + r * row_bytes + 2 * h,
                     factors + ((h * blocks + b) * X16_ROWS + r) * 2, 2);
+    for (int64_t w = 0; w < layout.scale_bytes / 4; ++w)
+      for (int64_t r = 0; r < X16_ROWS; ++r)
+        std::memcpy(first + r * row_bytes + 2 * halves + 4 * w,
+                    scale_words + ((b * layout.scale_bytes / 4 + w) * X16_ROWS + r) * 4, 4);
     const uint8_t* vectors = group + b * X16_ROWS * quant_bytes;
     for (int64_t part = 0; part < quant_bytes / 16; ++part) {  // 16 bytes of each row
       __m512i v[4];
@@ -382,7 +390,7 @@ void ungroup(const uint8_t* group, int64_t base, int64_t blocks, uint8_t* out,
       const __m512i rows[4] = {
           _mm512_unpacklo_epi64(low01, low23), _mm512_unpackhi_epi64(low01, low23),
           _mm512_unpacklo_epi64(high01, high23), _mm512_unpackhi_epi64(high01, high23)};
-      uint8_t* quants = first + 2 * halves + 16 * part;
+      uint8_t* quants = first + quants_at + 16 * part;
       for (int k = 0; k < 4; ++k) {
         alignas(64) uint8_t lanes[64];
         _mm512_store_si512(lanes, rows[k]);
@@ -398,7 +406,8 @@ void ungroup(const uint8_t* group, int64_t base, int64_t blocks, uint8_t* out,
 // they compute exactly as the blocks they were made from).
 template <typename T>
 void decode_groups(const uint8_t* groups, int64_t type, int64_t K, int64_t G, T* out) {
-  const int64_t base = type - X16, blocks = K / 32, row_bytes = blocks * format_of(base).bytes;
+  const int64_t base = type - X16, blocks = K / format_of(base).elements;
+  const int64_t row_bytes = blocks * format_of(base).bytes;
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> rows(X16_ROWS * row_bytes);
     std::vector<float> scratch(K);

@@ -304,34 +304,33 @@ void rows_times_inputs(int64_t type, const uint8_t* row, int64_t row_bytes, int6
   }
 }
 
-// Input rows rounded per 32 inputs for the interleaved formats (llama.cpp's Q8_0 and Q8_1
-// inputs): quants in natural order, and per block its scale and its quants' sum (for Q8_0's
-// offset of 128, Q4_0's of 8 and Q4_1's minimums).
+// Input rows rounded for the interleaved formats, per 32 inputs (llama.cpp's Q8_0 and Q8_1
+// inputs, for Q4_0, Q4_1 and Q8_0) or per 256 (its Q8_K, for Q4_K): quants in natural order,
+// each rounding block's scale, and the quants' sum per 32 (for Q8_0's offset of 128, Q4_0's
+// of 8, Q4_1's and Q4_K's minimums).
 struct BlockInput {
-  int64_t K, blocks;
+  int64_t K, blocks;  // blocks: of 32 inputs, each with its sum
   std::vector<int8_t> q;
   std::vector<float> scale;
   std::vector<int32_t> sum;
 
   template <typename T>
-  BlockInput(const T* x, int64_t M, int64_t K)
-      : K(K), blocks(K / 32), q(M * K), scale(M * blocks), sum(M * blocks, 0) {
+  BlockInput(const T* x, int64_t M, int64_t K, int64_t rounding)
+      : K(K), blocks(K / 32), q(M * K), scale(M * K / rounding), sum(M * blocks, 0) {
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) {
-        for (int64_t b = 0; b < blocks; ++b) {
-          int32_t& total = sum[m * blocks + b];
-          scale[m * blocks + b] = round_block(x + m * K + 32 * b, 32, [&](int i, __m512i r) {
-            store_bytes(q.data() + m * K + 32 * b + 16 * i, r);
-            total += _mm512_reduce_add_epi32(r);
+        for (int64_t k = 0; k < K; k += rounding) {
+          int32_t* sums = sum.data() + (m * K + k) / 32;
+          scale[(m * K + k) / rounding] = round_block(x + m * K + k, rounding,
+                                                     [&](int i, __m512i r) {
+            store_bytes(q.data() + m * K + k + 16 * i, r);
+            sums[i / 2] += _mm512_reduce_add_epi32(r);
           });
         }
       }
     });
   }
 };
-
-// Bytes of one block's quants in a group of an interleaved format (ggml_format.h)
-constexpr int64_t x16_quant_bytes(int64_t base) { return base == Q8_0 ? 512 : 256; }
 
 inline __m512 halves_at(const uint8_t* p) {  // 16 fp16 numbers
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -352,7 +351,7 @@ inline __m512i broadcast_four(const int8_t* p) {
 // not depend on the rows beside it.
 template <int64_t BASE, int MR>
 void x16_group(const uint8_t* group, const BlockInput& in, int64_t m, __m512 out[MR]) {
-  constexpr int64_t QUANT_BYTES = x16_quant_bytes(BASE);
+  constexpr int64_t QUANT_BYTES = (BASE == Q8_0 ? 32 : 16) * X16_ROWS;
   const int64_t blocks = in.blocks, K = in.K;
   const uint8_t* scales = group + blocks * QUANT_BYTES;
   const __m512i nibble = _mm512_set1_epi8(15);
@@ -408,13 +407,76 @@ inline void store_bf16(at::BFloat16* p, __m512 values) {
                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 
+// Byte b of each 32-bit lane, widened to the lane
+inline __m512i byte_of(__m512i words, int b) {
+  return _mm512_and_si512(_mm512_srli_epi32(words, 8 * b), _mm512_set1_epi32(0xff));
+}
+
+// One group of interleaved Q4_K (16 weight rows) times input rows [m, m + MR), as x16_group:
+// per super-block of 256 columns, each sub-block j of 32 gets its integer sums from 8
+// `vpdpbusd` (16 rows by 4 inputs each), times the 16 rows' 6-bit scale_j in integers; the
+// minimums' term is min_j times the inputs' sum over sub-block j, also in integers; then
+// d (and dmin) times the inputs' scale apply once a super-block, llama.cpp's Q4_K x Q8_K
+// arithmetic. The 16 rows' packed scales unpack as get_scale_min_k4 does, for all rows at once.
+template <int MR>
+void x16_q4_k_group(const uint8_t* group, const BlockInput& in, int64_t m, __m512 out[MR]) {
+  constexpr int64_t QUANT_BYTES = 128 * X16_ROWS;
+  const int64_t blocks = in.K / 256, K = in.K;
+  const uint8_t* factors = group + blocks * QUANT_BYTES;
+  const uint8_t* scale_words = factors + 2 * 32 * blocks;
+  const __m512i nibble = _mm512_set1_epi8(15), six_bits = _mm512_set1_epi8(0x3f);
+  const __m512i low_four = _mm512_set1_epi8(0x0f), top_two = _mm512_set1_epi8(0x30);
+  for (int i = 0; i < MR; ++i) out[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512 d = halves_at(factors + 32 * b), dmin = halves_at(factors + 32 * (blocks + b));
+    const uint8_t* words = scale_words + 192 * b;
+    const __m512i w0 = _mm512_loadu_si512(words), w1 = _mm512_loadu_si512(words + 64),
+                  w2 = _mm512_loadu_si512(words + 128);
+    // Per lane: scales 0-3, scales 4-7, minimums 0-3, minimums 4-7, a byte each
+    const __m512i unpacked[4] = {
+        _mm512_and_si512(w0, six_bits),
+        _mm512_or_si512(_mm512_and_si512(w2, low_four),
+                        _mm512_and_si512(_mm512_srli_epi32(w0, 2), top_two)),
+        _mm512_and_si512(w1, six_bits),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), low_four),
+                        _mm512_and_si512(_mm512_srli_epi32(w1, 2), top_two))};
+    const uint8_t* quants = group + QUANT_BYTES * b;
+    const int8_t* x = in.q.data() + m * K + 256 * b;
+    __m512i sum[MR], minimums[MR];
+    for (int i = 0; i < MR; ++i) sum[i] = minimums[i] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {  // sub-block j: the low nibbles of pair j / 2, or the high
+      const int pair = j / 2, shift = 4 * (j % 2);
+      __m512i dot[MR];
+      for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
+      for (int v = 0; v < 8; ++v) {
+        const __m512i both = _mm512_loadu_si512(quants + 64 * (8 * pair + v));
+        const __m512i q = _mm512_and_si512(_mm512_srli_epi16(both, shift), nibble);
+        for (int i = 0; i < MR; ++i)
+          dot[i] = _mm512_dpbusd_epi32(dot[i], q, broadcast_four(x + i * K + 32 * j + 4 * v));
+      }
+      const __m512i scale = byte_of(unpacked[j / 4], j % 4);
+      const __m512i minimum = byte_of(unpacked[2 + j / 4], j % 4);
+      for (int i = 0; i < MR; ++i) {
+        sum[i] = _mm512_add_epi32(sum[i], _mm512_mullo_epi32(dot[i], scale));
+        const __m512i inputs = _mm512_set1_epi32(in.sum[(m + i) * in.blocks + 8 * b + j]);
+        minimums[i] = _mm512_add_epi32(minimums[i], _mm512_mullo_epi32(minimum, inputs));
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 dx = _mm512_set1_ps(in.scale[(m + i) * blocks + b]);
+      out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]), _mm512_mul_ps(d, dx), out[i]);
+      out[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(minimums[i]), _mm512_mul_ps(dmin, dx), out[i]);
+    }
+  }
+}
+
 template <int64_t BASE, typename T>
 at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& groups) {
   constexpr int64_t MR = 8;  // input rows a pass over a group's blocks takes
   constexpr int64_t M_TILE = 64;
   const int64_t M = x.size(0), G = groups.size(0), N = G * X16_ROWS, K = x.size(1);
   const at::Tensor xc = x.contiguous();
-  const BlockInput in(xc.data_ptr<T>(), M, K);
+  const BlockInput in(xc.data_ptr<T>(), M, K, BASE == Q4_K ? 256 : 32);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* gp = groups.data_ptr<uint8_t>();
   T* yp = y.data_ptr<T>();
@@ -428,7 +490,8 @@ at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& groups) {
           __m512 out[MR];
           const auto pass = [&](auto rows) {
             constexpr int R = decltype(rows)::value;
-            x16_group<BASE, R>(group, in, m, out);
+            if constexpr (BASE == Q4_K) x16_q4_k_group<R>(group, in, m, out);
+            else x16_group<BASE, R>(group, in, m, out);
             for (int i = 0; i < R; ++i) store_bf16(yp + (m + i) * N + g * X16_ROWS, out[i]);
           };
           switch (std::min(M - m, MR)) {
@@ -480,7 +543,7 @@ bool int8_dot_serves(int64_t type, at::ScalarType dtype, int64_t K) {
   // bf16 runs only: an fp32 run asks for products as exact as fp32's, not for llama.cpp's
   if (dtype != at::kBFloat16) return false;
   return ((type == Q4_K || type == Q6_K) && K % BLOCK == 0) || (type == Q8_0 && K % PAIR == 0)
-         || (is_x16(type) && K % 32 == 0);
+         || (is_x16(type) && K % (type == X16 + Q4_K ? BLOCK : 32) == 0);
 #elif defined(BRAID_GGML_AVX2)
   // fp32, the dtype these CPUs compute natively (bf16 runs there dequantize at load)
   return dtype == at::kFloat && avx2_int8_serves(type, K);
@@ -498,6 +561,7 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_
     case X16 + Q4_0: return x16_linear<Q4_0, at::BFloat16>(x, blocks);
     case X16 + Q4_1: return x16_linear<Q4_1, at::BFloat16>(x, blocks);
     case X16 + Q8_0: return x16_linear<Q8_0, at::BFloat16>(x, blocks);
+    case X16 + Q4_K: return x16_linear<Q4_K, at::BFloat16>(x, blocks);
   }
   return linear<at::BFloat16>(x, blocks, type);
 #elif defined(BRAID_GGML_AVX2)

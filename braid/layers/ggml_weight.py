@@ -9,10 +9,10 @@ lookup decodes the rows it reads. Decoded values are those of the `gguf` package
 `dequantize`, so results equal those over the dequantized weight in the same dtype (the same
 bits, up to FEW_ROWS rows), except where the few-row GEMMs round their inputs to int8 as
 llama.cpp does (`rounds_inputs`, `--block-inputs int8`: `csrc/ggml_int8.cpp`,
-`csrc/ggml_int8_avx2.cpp`). For that kernel Q4_0, Q4_1 and Q8_0 weights are rearranged at load,
-16 rows to a group (`interleave_rows`: same bytes, in the order its vectors read them); on CPUs
-without AMX their GEMMs of every row count (prefill too) round their inputs, as llama.cpp's do:
-there the int8 kernel beats decoding tiles for a bf16 GEMM.
+`csrc/ggml_int8_avx2.cpp`). For that kernel Q4_0, Q4_1, Q8_0 and Q4_K weights are rearranged at
+load, 16 rows to a group (`interleave_rows`: same bytes, in the order its vectors read them); on
+CPUs without AMX their GEMMs of every row count (prefill too) round their inputs, as llama.cpp's
+do: there the int8 kernel beats decoding tiles for a bf16 GEMM.
 
 Loading goes through the layers' usual weight loaders: where a checkpoint tensor has blocks
 (`LazyWeight.ggml_type`) and the layer computes from them, the loader files the rows under the
@@ -45,11 +45,11 @@ ALL_ROWS = 2**62
 TRIM_EVERY = 16
 # GGML's types that braid interleaves 16 rows to a group for its int8 kernel
 # (`interleave_rows`; `csrc/ggml_format.h`), each then numbered X16 + its type
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
+Q4_0, Q4_1, Q8_0, Q4_K = 2, 3, 8, 12
 X16, X16_ROWS = 1000, 16
-# Per interleaved type: the fp16 factors (scale, and Q4_1's minimum) and the bytes of quants
-# that a block of 32 columns holds
-_FACTORS_AND_QUANTS = {Q4_0: (1, 16), Q4_1: (2, 16), Q8_0: (1, 32)}
+# Per interleaved type, what a block holds in order: its fp16 factors (the scale d, and Q4_1's
+# minimum or Q4_K's dmin), bytes of packed scales (Q4_K's 6-bit ones) and bytes of quants
+_LAYOUT = {Q4_0: (1, 0, 16), Q4_1: (2, 0, 16), Q8_0: (1, 0, 32), Q4_K: (2, 12, 128)}
 
 
 def weight_rows(blocks: torch.Tensor, kind: int) -> int:
@@ -61,7 +61,7 @@ def rounds_inputs(kind: int, dtype: torch.dtype, columns: int) -> bool:
     """Whether GEMMs of up to FEW_ROWS rows over blocks of GGML type `kind`, with `dtype` inputs
     of `columns` columns, can round the inputs to int8 and multiply them with the blocks' quants
     in integers, as llama.cpp does (`--block-inputs int8`, the default): Q4_K, Q6_K, Q8_0 and
-    the interleaved Q4_0, Q4_1 and Q8_0 (`interleave_rows`), bf16 on CPUs with AVX512-VNNI
+    the interleaved Q4_0, Q4_1, Q8_0 and Q4_K (`interleave_rows`), bf16 on CPUs with AVX512-VNNI
     (`csrc/ggml_int8.cpp`); Q4_K, Q6_K and Q8_0, fp32 on AVX2-only ones
     (`csrc/ggml_int8_avx2.cpp`): the dtypes those CPUs compute natively."""
     return torch.ops.braid.ggml_int8_serves(kind, dtype, columns)
@@ -155,8 +155,8 @@ def set_input_rounding(model: nn.Module, round_inputs: bool, all_rows: bool,
                        dtype: torch.dtype) -> None:
     """Whether the few-row GEMMs over every block weight of `model` (a checkpoint's or
     `--quantization int4|int8`'s) round their inputs to int8 (`--block-inputs`); where they do
-    and this CPU's kernel multiplies `dtype` inputs by 16 rows at a time, Q4_0, Q4_1 and Q8_0
-    weights are interleaved for it (`interleave_rows`; a tied embedding shares the result), and
+    and this CPU's kernel multiplies `dtype` inputs by 16 rows at a time, Q4_0, Q4_1, Q8_0 and
+    Q4_K weights are interleaved for it (`interleave_rows`; a tied embedding shares the result), and
     with `all_rows` their GEMMs of any number of rows round their inputs too."""
     seen: set[int] = set()
     for layer in model.modules():
@@ -166,44 +166,58 @@ def set_input_rounding(model: nn.Module, round_inputs: bool, all_rows: bool,
         seen.add(id(weight))
         weight.round_inputs, weight.round_all_rows = round_inputs, all_rows
         for run, (kind, blocks) in enumerate(zip(weight.types, weight.blocks)):
-            if (round_inputs and kind in _FACTORS_AND_QUANTS
+            if (round_inputs and kind in _LAYOUT
                     and blocks.shape[0] % X16_ROWS == 0
                     and rounds_inputs(X16 + kind, dtype, weight.columns)):
                 weight.types[run], weight.blocks[run] = X16 + kind, interleave_rows(blocks, kind)
 
 
+def _words_by_lane(section: torch.Tensor) -> torch.Tensor:
+    """`[groups, 16 rows, blocks, bytes]` as `[groups, blocks * 16 * bytes]`: per block,
+    vectors of 64 bytes whose lane r holds 4 of row r's bytes (a copy)."""
+    words = section.unflatten(-1, (section.shape[-1] // 4, 4)).permute(0, 2, 3, 1, 4)
+    return words.reshape(section.shape[0], -1)
+
+
 def interleave_rows(blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    """Q4_0, Q4_1 or Q8_0 blocks `[rows, bytes]` (rows a multiple of 16) as braid's interleaved
-    groups `[rows / 16, 16 * bytes]` (type X16 + kind): per group of 16 rows, for each block of
-    32 columns vectors of 64 bytes whose lane r holds 4 bytes of row r's quants (Q8_0's plus
-    128), then the group's fp16 scales (16 a block) and Q4_1's minimums. The int8 kernel
-    multiplies 16 rows by 4 inputs an instruction, the 16 rows' scales arrive in one vector and
-    no row's sum needs a horizontal reduction: about a third of the instructions a weight of
-    the row-by-row kernel (`csrc/ggml_int8.cpp`)."""
-    factors, quant_bytes = _FACTORS_AND_QUANTS[kind]
+    """Q4_0, Q4_1, Q8_0 or Q4_K blocks `[rows, bytes]` (rows a multiple of 16) as braid's
+    interleaved groups `[rows / 16, 16 * bytes]` (type X16 + kind): per group of 16 rows, for
+    each block vectors of 64 bytes whose lane r holds 4 bytes of row r's quants (Q8_0's plus
+    128), then the group's fp16 factors (16 a block: the scales, then Q4_1's minimums or Q4_K's
+    dmin), then Q4_K's packed scales, 4 bytes of each row a vector. The int8 kernel multiplies
+    16 rows by 4 inputs an instruction, the 16 rows' scales arrive in one vector and no row's
+    sum needs a horizontal reduction: about a third of the instructions a weight of the
+    row-by-row kernel (`csrc/ggml_int8.cpp`)."""
+    factors, scale_bytes, quant_bytes = _LAYOUT[kind]
     rows, row_bytes = blocks.shape
-    per_row = blocks.view(rows // X16_ROWS, X16_ROWS, -1, 2 * factors + quant_bytes)
+    per_row = blocks.view(rows // X16_ROWS, X16_ROWS, -1, 2 * factors + scale_bytes + quant_bytes)
     halves = per_row[..., :2 * factors].unflatten(-1, (factors, 2)).permute(0, 3, 2, 1, 4)
-    quants = per_row[..., 2 * factors:].unflatten(-1, (quant_bytes // 4, 4))
-    quants = quants.permute(0, 2, 3, 1, 4).reshape(quants.shape[0], -1)  # [g, b, j, r, 4]: a copy
+    quants = _words_by_lane(per_row[..., 2 * factors + scale_bytes:])
     if kind == Q8_0:
         quants.bitwise_xor_(0x80)
-    return torch.cat([quants, halves.reshape(halves.shape[0], -1)], dim=1)
+    scales = _words_by_lane(per_row[..., 2 * factors:2 * factors + scale_bytes])
+    return torch.cat([quants, halves.reshape(halves.shape[0], -1), scales], dim=1)
 
 
 def plain_rows(groups: torch.Tensor, kind: int, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of interleaved `groups` of `kind` as its blocks `[len(ids), bytes]`
     (`interleave_rows` undone for them alone)."""
-    factors, quant_bytes = _FACTORS_AND_QUANTS[kind]
-    count, blocks = groups.shape[0], groups.shape[1] // (X16_ROWS * (2 * factors + quant_bytes))
-    quants = groups[:, :blocks * X16_ROWS * quant_bytes].view(count, blocks, -1, X16_ROWS, 4)
-    halves = groups[:, blocks * X16_ROWS * quant_bytes:].view(count, factors, blocks, X16_ROWS, 2)
+    factors, scale_bytes, quant_bytes = _LAYOUT[kind]
+    count = groups.shape[0]
+    blocks = groups.shape[1] // (X16_ROWS * (2 * factors + scale_bytes + quant_bytes))
+    quants, halves, scales = groups.split([blocks * X16_ROWS * quant_bytes,
+                                           blocks * X16_ROWS * 2 * factors,
+                                           blocks * X16_ROWS * scale_bytes], dim=1)
+    quants = quants.view(count, blocks, -1, X16_ROWS, 4)
+    halves = halves.view(count, factors, blocks, X16_ROWS, 2)
+    scales = scales.view(count, blocks, -1, X16_ROWS, 4)
     group, lane = ids // X16_ROWS, ids % X16_ROWS
     row_quants = quants[group, :, :, lane].flatten(-2)  # [n, blocks, quant_bytes]: a copy
     if kind == Q8_0:
         row_quants.bitwise_xor_(0x80)
     row_halves = halves[group, :, :, lane].permute(0, 2, 1, 3).flatten(-2)  # [n, blocks, 2 f]
-    return torch.cat([row_halves, row_quants], dim=-1).flatten(1)
+    row_scales = scales[group, :, :, lane].flatten(-2)  # [n, blocks, scale_bytes]
+    return torch.cat([row_halves, row_scales, row_quants], dim=-1).flatten(1)
 
 
 def _dense_weight(layer: nn.Module) -> nn.Parameter | None:

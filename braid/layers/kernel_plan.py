@@ -35,7 +35,7 @@ class KernelPlan:
     # GEMMs of a few rows over blocks (GGUF, int4) round their inputs to int8 where a kernel
     # does (`--block-inputs`)
     round_block_inputs: bool = True
-    # ... and so do GEMMs of any number of rows over Q4_0, Q4_1 and Q8_0 blocks interleaved
+    # ... and so do GEMMs of any number of rows over Q4_0, Q4_1, Q8_0 and Q4_K blocks interleaved
     # for the int8 kernel (`ggml_weight.interleave_rows`)
     block_inputs_all_rows: bool = False
     # Linear weights rounded at load into GGML blocks of this many bits (`--quantization int4`
