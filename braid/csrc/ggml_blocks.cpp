@@ -356,14 +356,13 @@ int64_t weight_rows(const at::Tensor& blocks, int64_t type) {
 // One group of an interleaved format (ggml_format.h) back into the 16 rows of blocks it was
 // made from (`ggml_weight.interleave_rows` undone; `out` holds 16 rows of `row_bytes`): per
 // block, lane r of its quant vectors j are row r's bytes 4 j to 4 j + 3, a transpose of
-// 4 x 16 words at a time (each 128-bit lane of the result: one row); Q4_K's scale words
-// likewise, a word at a time.
+// 4 x 16 words at a time (each 128-bit lane of the result: one row); the K-quants' scale
+// words likewise, a word at a time.
 void ungroup(const uint8_t* group, int64_t base, int64_t blocks, uint8_t* out,
              int64_t row_bytes) {
   const Format f = format_of(base);
   const X16Layout layout = x16_layout(base);
   const int64_t halves = layout.factors, quant_bytes = layout.quant_bytes;
-  const int64_t quants_at = 2 * halves + layout.scale_bytes;  // within a block
   const uint8_t* factors = group + blocks * X16_ROWS * quant_bytes;
   const uint8_t* scale_words = factors + halves * blocks * X16_ROWS * 2;
   const __m512i flip = _mm512_set1_epi8(base == Q8_0 ? static_cast<char>(0x80) : 0);
@@ -371,11 +370,11 @@ void ungroup(const uint8_t* group, int64_t base, int64_t blocks, uint8_t* out,
     uint8_t* first = out + b * f.bytes;
     for (int64_t h = 0; h < halves; ++h)
       for (int64_t r = 0; r < X16_ROWS; ++r)
-        std::memcpy(first + r * row_bytes + 2 * h,
+        std::memcpy(first + r * row_bytes + layout.factors_at + 2 * h,
                     factors + ((h * blocks + b) * X16_ROWS + r) * 2, 2);
     for (int64_t w = 0; w < layout.scale_bytes / 4; ++w)
       for (int64_t r = 0; r < X16_ROWS; ++r)
-        std::memcpy(first + r * row_bytes + 2 * halves + 4 * w,
+        std::memcpy(first + r * row_bytes + layout.scales_at + 4 * w,
                     scale_words + ((b * layout.scale_bytes / 4 + w) * X16_ROWS + r) * 4, 4);
     const uint8_t* vectors = group + b * X16_ROWS * quant_bytes;
     for (int64_t part = 0; part < quant_bytes / 16; ++part) {  // 16 bytes of each row
@@ -390,7 +389,7 @@ void ungroup(const uint8_t* group, int64_t base, int64_t blocks, uint8_t* out,
       const __m512i rows[4] = {
           _mm512_unpacklo_epi64(low01, low23), _mm512_unpackhi_epi64(low01, low23),
           _mm512_unpacklo_epi64(high01, high23), _mm512_unpackhi_epi64(high01, high23)};
-      uint8_t* quants = first + quants_at + 16 * part;
+      uint8_t* quants = first + layout.quants_at + 16 * part;
       for (int k = 0; k < 4; ++k) {
         alignas(64) uint8_t lanes[64];
         _mm512_store_si512(lanes, rows[k]);

@@ -305,26 +305,27 @@ void rows_times_inputs(int64_t type, const uint8_t* row, int64_t row_bytes, int6
 }
 
 // Input rows rounded for the interleaved formats, per 32 inputs (llama.cpp's Q8_0 and Q8_1
-// inputs, for Q4_0, Q4_1 and Q8_0) or per 256 (its Q8_K, for Q4_K): quants in natural order,
-// each rounding block's scale, and the quants' sum per 32 (for Q8_0's offset of 128, Q4_0's
-// of 8, Q4_1's and Q4_K's minimums).
+// inputs, for Q4_0, Q4_1 and Q8_0) or per 256 (its Q8_K, for Q4_K and Q6_K): quants in
+// natural order, each rounding block's scale, and the quants' sum per `span` (32, or Q6_K's
+// sub-blocks of 16: for Q8_0's offset of 128, Q4_0's of 8, Q6_K's of 32 and the minimums of
+// Q4_1 and Q4_K).
 struct BlockInput {
-  int64_t K, blocks;  // blocks: of 32 inputs, each with its sum
+  int64_t K, blocks;  // blocks: spans of inputs, each with its sum
   std::vector<int8_t> q;
   std::vector<float> scale;
   std::vector<int32_t> sum;
 
   template <typename T>
-  BlockInput(const T* x, int64_t M, int64_t K, int64_t rounding)
-      : K(K), blocks(K / 32), q(M * K), scale(M * K / rounding), sum(M * blocks, 0) {
+  BlockInput(const T* x, int64_t M, int64_t K, int64_t rounding, int64_t span)
+      : K(K), blocks(K / span), q(M * K), scale(M * K / rounding), sum(M * blocks, 0) {
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) {
         for (int64_t k = 0; k < K; k += rounding) {
-          int32_t* sums = sum.data() + (m * K + k) / 32;
+          int32_t* sums = sum.data() + (m * K + k) / span;
           scale[(m * K + k) / rounding] = round_block(x + m * K + k, rounding,
                                                      [&](int i, __m512i r) {
             store_bytes(q.data() + m * K + k + 16 * i, r);
-            sums[i / 2] += _mm512_reduce_add_epi32(r);
+            sums[16 * i / span] += _mm512_reduce_add_epi32(r);
           });
         }
       }
@@ -470,13 +471,108 @@ void x16_q4_k_group(const uint8_t* group, const BlockInput& in, int64_t m, __m51
   }
 }
 
+// Byte b of each 32-bit lane, sign-extended to the lane
+inline __m512i signed_byte_of(__m512i words, int b) {
+  return _mm512_srai_epi32(_mm512_slli_epi32(words, 24 - 8 * b), 24);
+}
+
+// Q6_K's 6-bit quants (0..63) of quarter k of a half, put together from its ql vector (bytes
+// l, quarters 0 and 2, or l + 32, quarters 1 and 3: low nibbles, then high) and qh vector
+// (bit pair k) as ggml's dequantize_row_q6_K does
+inline __m512i q6_k_quants(__m512i low, __m512i high, int k) {
+  const __m512i nibble = _mm512_set1_epi8(15), high_pair = _mm512_set1_epi8(0x30);
+  const __m512i low_bits = k < 2 ? _mm512_and_si512(low, nibble)
+                                 : _mm512_and_si512(_mm512_srli_epi16(low, 4), nibble);
+  const __m512i pair = k == 0   ? _mm512_slli_epi16(high, 4)  // qh's pair k to bits 4-5
+                       : k == 1 ? _mm512_slli_epi16(high, 2)
+                       : k == 2 ? high
+                                : _mm512_srli_epi16(high, 2);
+  return _mm512_or_si512(low_bits, _mm512_and_si512(pair, high_pair));
+}
+
+// One group of interleaved Q6_K (16 weight rows) times input rows [m, m + MR), as x16_group:
+// per super-block of 256 columns, each sub-block s of 16 gets its integer sums from 4
+// `vpdpbusd` over the 6-bit quants, times the 16 rows' int8 scale_s; the quants' offset of 32
+// comes off as 32 scale_s times the inputs' sum over s; d times the inputs' scale applies
+// once a super-block (llama.cpp's Q6_K x Q8_K arithmetic). One input row takes a half's four
+// quarters together (3 vectors read make 4 of quants, 16 sub-blocks' sums in registers);
+// more rows take one sub-block at a time, folding its sums in before the next (sharing the
+// quarters measured slower from 2 rows on). Either way a row's sums add up in one order.
+template <int MR>
+void x16_q6_k_group(const uint8_t* group, const BlockInput& in, int64_t m, __m512 out[MR]) {
+  constexpr int64_t QUANT_BYTES = 192 * X16_ROWS;
+  const int64_t blocks = in.K / 256, K = in.K;
+  const uint8_t* factors = group + blocks * QUANT_BYTES;
+  const uint8_t* scale_words = factors + 32 * blocks;
+  for (int i = 0; i < MR; ++i) out[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* words = scale_words + 256 * b;
+    const uint8_t* quants = group + QUANT_BYTES * b;
+    const int8_t* x = in.q.data() + m * K + 256 * b;
+    // Sub-block s = 8 h + 2 k + part: quarter k of half h, its columns 16 part to 16 part + 15;
+    // dot(s, v, q, i) adds quants q (4 columns v of s's quarter) times input row m + i
+    const auto dot = [&](int s, int v, __m512i q, int i, __m512i acc) {
+      const int h = s / 8, k = s % 8 / 2;
+      return _mm512_dpbusd_epi32(acc, q, broadcast_four(x + i * K + 128 * h + 32 * k + 4 * v));
+    };
+    const auto scale_of = [&](int s) {
+      return signed_byte_of(_mm512_loadu_si512(words + 64 * (s / 4)), s % 4);
+    };
+    __m512i sum[MR], offsets[MR];
+    for (int i = 0; i < MR; ++i) sum[i] = offsets[i] = _mm512_setzero_si512();
+    const auto fold = [&](int s, const __m512i dots[MR]) {
+      const __m512i scale = scale_of(s);
+      for (int i = 0; i < MR; ++i) {
+        sum[i] = _mm512_add_epi32(sum[i], _mm512_mullo_epi32(dots[i], scale));
+        const __m512i inputs = _mm512_set1_epi32(in.sum[(m + i) * in.blocks + 16 * b + s]);
+        offsets[i] = _mm512_add_epi32(offsets[i], _mm512_mullo_epi32(scale, inputs));
+      }
+    };
+    if constexpr (MR == 1) {
+      __m512i dots[16];
+      for (int s = 0; s < 16; ++s) dots[s] = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h)
+        for (int v = 0; v < 8; ++v) {
+          const __m512i first = _mm512_loadu_si512(quants + 64 * (16 * h + v));
+          const __m512i second = _mm512_loadu_si512(quants + 64 * (16 * h + 8 + v));
+          const __m512i high = _mm512_loadu_si512(quants + 64 * (32 + 8 * h + v));
+          for (int k = 0; k < 4; ++k) {
+            const int s = 8 * h + 2 * k + v / 4;
+            dots[s] = dot(s, v, q6_k_quants(k % 2 ? second : first, high, k), 0, dots[s]);
+          }
+        }
+      for (int s = 0; s < 16; ++s) fold(s, &dots[s]);
+    } else {
+      for (int s = 0; s < 16; ++s) {
+        const int h = s / 8, k = s % 8 / 2, part = s % 2;
+        __m512i dots[MR];
+        for (int i = 0; i < MR; ++i) dots[i] = _mm512_setzero_si512();
+        for (int v = 4 * part; v < 4 * part + 4; ++v) {
+          const __m512i low = _mm512_loadu_si512(quants + 64 * (16 * h + 8 * (k % 2) + v));
+          const __m512i high = _mm512_loadu_si512(quants + 64 * (32 + 8 * h + v));
+          const __m512i q = q6_k_quants(low, high, k);
+          for (int i = 0; i < MR; ++i) dots[i] = dot(s, v, q, i, dots[i]);
+        }
+        fold(s, dots);
+      }
+    }
+    const __m512 d = halves_at(factors + 32 * b);
+    for (int i = 0; i < MR; ++i) {
+      const __m512i exact = _mm512_sub_epi32(sum[i], _mm512_slli_epi32(offsets[i], 5));
+      const __m512 dx = _mm512_set1_ps(in.scale[(m + i) * blocks + b]);
+      out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(d, dx), out[i]);
+    }
+  }
+}
+
 template <int64_t BASE, typename T>
 at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& groups) {
   constexpr int64_t MR = 8;  // input rows a pass over a group's blocks takes
   constexpr int64_t M_TILE = 64;
   const int64_t M = x.size(0), G = groups.size(0), N = G * X16_ROWS, K = x.size(1);
   const at::Tensor xc = x.contiguous();
-  const BlockInput in(xc.data_ptr<T>(), M, K, BASE == Q4_K ? 256 : 32);
+  const bool k_quant = BASE == Q4_K || BASE == Q6_K;
+  const BlockInput in(xc.data_ptr<T>(), M, K, k_quant ? BLOCK : 32, BASE == Q6_K ? 16 : 32);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* gp = groups.data_ptr<uint8_t>();
   T* yp = y.data_ptr<T>();
@@ -491,6 +587,7 @@ at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& groups) {
           const auto pass = [&](auto rows) {
             constexpr int R = decltype(rows)::value;
             if constexpr (BASE == Q4_K) x16_q4_k_group<R>(group, in, m, out);
+            else if constexpr (BASE == Q6_K) x16_q6_k_group<R>(group, in, m, out);
             else x16_group<BASE, R>(group, in, m, out);
             for (int i = 0; i < R; ++i) store_bf16(yp + (m + i) * N + g * X16_ROWS, out[i]);
           };
@@ -543,7 +640,7 @@ bool int8_dot_serves(int64_t type, at::ScalarType dtype, int64_t K) {
   // bf16 runs only: an fp32 run asks for products as exact as fp32's, not for llama.cpp's
   if (dtype != at::kBFloat16) return false;
   return ((type == Q4_K || type == Q6_K) && K % BLOCK == 0) || (type == Q8_0 && K % PAIR == 0)
-         || (is_x16(type) && K % (type == X16 + Q4_K ? BLOCK : 32) == 0);
+         || (is_x16(type) && K % (type == X16 + Q4_K || type == X16 + Q6_K ? BLOCK : 32) == 0);
 #elif defined(BRAID_GGML_AVX2)
   // fp32, the dtype these CPUs compute natively (bf16 runs there dequantize at load)
   return dtype == at::kFloat && avx2_int8_serves(type, K);
@@ -562,6 +659,7 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_
     case X16 + Q4_1: return x16_linear<Q4_1, at::BFloat16>(x, blocks);
     case X16 + Q8_0: return x16_linear<Q8_0, at::BFloat16>(x, blocks);
     case X16 + Q4_K: return x16_linear<Q4_K, at::BFloat16>(x, blocks);
+    case X16 + Q6_K: return x16_linear<Q6_K, at::BFloat16>(x, blocks);
   }
   return linear<at::BFloat16>(x, blocks, type);
 #elif defined(BRAID_GGML_AVX2)

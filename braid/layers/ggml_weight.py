@@ -45,11 +45,17 @@ ALL_ROWS = 2**62
 TRIM_EVERY = 16
 # GGML's types that braid interleaves 16 rows to a group for its int8 kernel
 # (`interleave_rows`; `csrc/ggml_format.h`), each then numbered X16 + its type
-Q4_0, Q4_1, Q8_0, Q4_K = 2, 3, 8, 12
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
 X16, X16_ROWS = 1000, 16
-# Per interleaved type, what a block holds in order: its fp16 factors (the scale d, and Q4_1's
-# minimum or Q4_K's dmin), bytes of packed scales (Q4_K's 6-bit ones) and bytes of quants
-_LAYOUT = {Q4_0: (1, 0, 16), Q4_1: (2, 0, 16), Q8_0: (1, 0, 32), Q4_K: (2, 12, 128)}
+# Per interleaved type, what a block holds: its fp16 factors (the scale d, and Q4_1's minimum
+# or Q4_K's dmin), bytes of sub-block scales (the K-quants') and bytes of quants, in that
+# order but for Q6_K's (quants, scales, d)
+_LAYOUT = {Q4_0: (1, 0, 16), Q4_1: (2, 0, 16), Q8_0: (1, 0, 32), Q4_K: (2, 12, 128),
+           Q6_K: (1, 16, 192)}
+# The interleaved types whose int8 kernel beats decoding them for a bf16 GEMM at every row
+# count (`round_all_rows`); Q6_K's, which puts each quant together from two vectors, loses
+# from a few dozen rows on (docs/kernel-choices.md)
+_INT8_AT_ANY_ROWS = {Q4_0, Q4_1, Q8_0, Q4_K}
 
 
 def weight_rows(blocks: torch.Tensor, kind: int) -> int:
@@ -73,7 +79,7 @@ class GGMLWeight:
     `blocks[i]` (uint8, `[rows_i, bytes]`) for consecutive runs (one where the checkpoint's
     tensors of a fused parameter share a format). `round_inputs`: GEMMs of a few rows round
     their inputs to int8 where a kernel does (`rounds_inputs`; `--block-inputs`), and with
-    `round_all_rows` GEMMs of any number of rows over interleaved groups do."""
+    `round_all_rows` GEMMs of any number of rows over interleaved groups do (but Q6_K's)."""
 
     columns: int
     types: list[int]
@@ -97,7 +103,7 @@ class GGMLWeight:
         """The rows up to which a GEMM over blocks of `kind` rounds its inputs to int8."""
         if not self.round_inputs:
             return 0
-        return ALL_ROWS if kind > X16 and self.round_all_rows else FEW_ROWS
+        return ALL_ROWS if kind - X16 in _INT8_AT_ANY_ROWS and self.round_all_rows else FEW_ROWS
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight in `dtype` (an embedding; one run of rows)."""
@@ -180,23 +186,38 @@ def _words_by_lane(section: torch.Tensor) -> torch.Tensor:
 
 
 def interleave_rows(blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    """Q4_0, Q4_1, Q8_0 or Q4_K blocks `[rows, bytes]` (rows a multiple of 16) as braid's
+    """Q4_0, Q4_1, Q8_0, Q4_K or Q6_K blocks `[rows, bytes]` (rows a multiple of 16) as braid's
     interleaved groups `[rows / 16, 16 * bytes]` (type X16 + kind): per group of 16 rows, for
     each block vectors of 64 bytes whose lane r holds 4 bytes of row r's quants (Q8_0's plus
-    128), then the group's fp16 factors (16 a block: the scales, then Q4_1's minimums or Q4_K's
-    dmin), then Q4_K's packed scales, 4 bytes of each row a vector. The int8 kernel multiplies
+    128; Q6_K's ql, then qh), then the group's fp16 factors (16 a block: the scales, then
+    Q4_1's minimums or Q4_K's dmin), then the K-quants' sub-block scales, 4 bytes of each row a
+    vector. The int8 kernel multiplies
     16 rows by 4 inputs an instruction, the 16 rows' scales arrive in one vector and no row's
     sum needs a horizontal reduction: about a third of the instructions a weight of the
     row-by-row kernel (`csrc/ggml_int8.cpp`)."""
-    factors, scale_bytes, quant_bytes = _LAYOUT[kind]
     rows, row_bytes = blocks.shape
-    per_row = blocks.view(rows // X16_ROWS, X16_ROWS, -1, 2 * factors + scale_bytes + quant_bytes)
-    halves = per_row[..., :2 * factors].unflatten(-1, (factors, 2)).permute(0, 3, 2, 1, 4)
-    quants = _words_by_lane(per_row[..., 2 * factors + scale_bytes:])
+    halves, scales, quants = _sections(blocks.view(rows // X16_ROWS, X16_ROWS, -1,
+                                                   _block_bytes(kind)), kind)
+    halves = halves.unflatten(-1, (-1, 2)).permute(0, 3, 2, 1, 4)
+    quants = _words_by_lane(quants)
     if kind == Q8_0:
         quants.bitwise_xor_(0x80)
-    scales = _words_by_lane(per_row[..., 2 * factors:2 * factors + scale_bytes])
-    return torch.cat([quants, halves.reshape(halves.shape[0], -1), scales], dim=1)
+    return torch.cat([quants, halves.reshape(halves.shape[0], -1), _words_by_lane(scales)], dim=1)
+
+
+def _block_bytes(kind: int) -> int:
+    factors, scale_bytes, quant_bytes = _LAYOUT[kind]
+    return 2 * factors + scale_bytes + quant_bytes
+
+
+def _sections(blocks: torch.Tensor, kind: int) -> tuple[torch.Tensor, ...]:
+    """A block's (fp16 factors' bytes, sub-block scales, quants), in the last dimension."""
+    factors, scale_bytes, quant_bytes = _LAYOUT[kind]
+    if kind == Q6_K:
+        quants, scales, halves = blocks.split([quant_bytes, scale_bytes, 2 * factors], dim=-1)
+    else:
+        halves, scales, quants = blocks.split([2 * factors, scale_bytes, quant_bytes], dim=-1)
+    return halves, scales, quants
 
 
 def plain_rows(groups: torch.Tensor, kind: int, ids: torch.Tensor) -> torch.Tensor:
@@ -204,7 +225,7 @@ def plain_rows(groups: torch.Tensor, kind: int, ids: torch.Tensor) -> torch.Tens
     (`interleave_rows` undone for them alone)."""
     factors, scale_bytes, quant_bytes = _LAYOUT[kind]
     count = groups.shape[0]
-    blocks = groups.shape[1] // (X16_ROWS * (2 * factors + scale_bytes + quant_bytes))
+    blocks = groups.shape[1] // (X16_ROWS * _block_bytes(kind))
     quants, halves, scales = groups.split([blocks * X16_ROWS * quant_bytes,
                                            blocks * X16_ROWS * 2 * factors,
                                            blocks * X16_ROWS * scale_bytes], dim=1)
@@ -217,7 +238,9 @@ def plain_rows(groups: torch.Tensor, kind: int, ids: torch.Tensor) -> torch.Tens
         row_quants.bitwise_xor_(0x80)
     row_halves = halves[group, :, :, lane].permute(0, 2, 1, 3).flatten(-2)  # [n, blocks, 2 f]
     row_scales = scales[group, :, :, lane].flatten(-2)  # [n, blocks, scale_bytes]
-    return torch.cat([row_halves, row_scales, row_quants], dim=-1).flatten(1)
+    parts = ([row_quants, row_scales, row_halves] if kind == Q6_K
+             else [row_halves, row_scales, row_quants])
+    return torch.cat(parts, dim=-1).flatten(1)
 
 
 def _dense_weight(layer: nn.Module) -> nn.Parameter | None:
