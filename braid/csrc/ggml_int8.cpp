@@ -5,10 +5,13 @@
 // 64 signed inputs a vector) without becoming floats; sub-block scales apply to the integer
 // sums, the fp16 factors once per block. Decoding floats for `vdpbf16ps` (ggml_blocks.cpp)
 // spends two to three times the instructions a weight, and was bound by them, not by memory.
+// Weights whose rows are a multiple of 16 come interleaved 16 rows to a group (Q4_0, Q4_1,
+// Q8_0, Q4_K, Q6_K: ggml_format.h), and their kernels (`x16_*`) also take prefill's many rows
+// where the caller asks (`int8_rows`).
 //
 // A row's result depends on that row alone, summed in one order whatever the row count, so
-// decode is row-count invariant up to the few-row GEMMs' 32 rows (a request's tokens do not
-// depend on its batch); it differs from the product over the dequantized weight by the input's
+// decode is row-count invariant up to the few-row GEMMs' 32 rows, or at every row count where
+// the groups take them (a request's tokens do not depend on its batch); it differs from the product over the dequantized weight by the input's
 // rounding to int8 (at most half a step of 1/127 of each block's largest input).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

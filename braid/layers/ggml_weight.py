@@ -9,10 +9,10 @@ lookup decodes the rows it reads. Decoded values are those of the `gguf` package
 `dequantize`, so results equal those over the dequantized weight in the same dtype (the same
 bits, up to FEW_ROWS rows), except where the few-row GEMMs round their inputs to int8 as
 llama.cpp does (`rounds_inputs`, `--block-inputs int8`: `csrc/ggml_int8.cpp`,
-`csrc/ggml_int8_avx2.cpp`). For that kernel Q4_0, Q4_1, Q8_0 and Q4_K weights are rearranged at
-load, 16 rows to a group (`interleave_rows`: same bytes, in the order its vectors read them); on
-CPUs without AMX their GEMMs of every row count (prefill too) round their inputs, as llama.cpp's
-do: there the int8 kernel beats decoding tiles for a bf16 GEMM.
+`csrc/ggml_int8_avx2.cpp`). For that kernel Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights are
+rearranged at load, 16 rows to a group (`interleave_rows`: same bytes, in the order its vectors
+read them); on CPUs without AMX their GEMMs of every row count (prefill too; but Q6_K's) round
+their inputs, as llama.cpp's do: there the int8 kernel beats decoding tiles for a bf16 GEMM.
 
 Loading goes through the layers' usual weight loaders: where a checkpoint tensor has blocks
 (`LazyWeight.ggml_type`) and the layer computes from them, the loader files the rows under the
@@ -67,7 +67,8 @@ def rounds_inputs(kind: int, dtype: torch.dtype, columns: int) -> bool:
     """Whether GEMMs of up to FEW_ROWS rows over blocks of GGML type `kind`, with `dtype` inputs
     of `columns` columns, can round the inputs to int8 and multiply them with the blocks' quants
     in integers, as llama.cpp does (`--block-inputs int8`, the default): Q4_K, Q6_K, Q8_0 and
-    the interleaved Q4_0, Q4_1, Q8_0 and Q4_K (`interleave_rows`), bf16 on CPUs with AVX512-VNNI
+    the interleaved Q4_0, Q4_1, Q8_0, Q4_K and Q6_K (`interleave_rows`), bf16 on CPUs with
+    AVX512-VNNI
     (`csrc/ggml_int8.cpp`); Q4_K, Q6_K and Q8_0, fp32 on AVX2-only ones
     (`csrc/ggml_int8_avx2.cpp`): the dtypes those CPUs compute natively."""
     return torch.ops.braid.ggml_int8_serves(kind, dtype, columns)
@@ -161,9 +162,10 @@ def set_input_rounding(model: nn.Module, round_inputs: bool, all_rows: bool,
                        dtype: torch.dtype) -> None:
     """Whether the few-row GEMMs over every block weight of `model` (a checkpoint's or
     `--quantization int4|int8`'s) round their inputs to int8 (`--block-inputs`); where they do
-    and this CPU's kernel multiplies `dtype` inputs by 16 rows at a time, Q4_0, Q4_1, Q8_0 and
-    Q4_K weights are interleaved for it (`interleave_rows`; a tied embedding shares the result), and
-    with `all_rows` their GEMMs of any number of rows round their inputs too."""
+    and this CPU's kernel multiplies `dtype` inputs by 16 rows at a time, Q4_0, Q4_1, Q8_0, Q4_K
+    and Q6_K weights are interleaved for it (`interleave_rows`; a tied embedding shares the
+    result), and with `all_rows` their GEMMs of any number of rows round their inputs too (but
+    Q6_K's: `_INT8_AT_ANY_ROWS`)."""
     seen: set[int] = set()
     for layer in model.modules():
         weight = getattr(layer, "ggml", None)
@@ -191,11 +193,10 @@ def interleave_rows(blocks: torch.Tensor, kind: int) -> torch.Tensor:
     each block vectors of 64 bytes whose lane r holds 4 bytes of row r's quants (Q8_0's plus
     128; Q6_K's ql, then qh), then the group's fp16 factors (16 a block: the scales, then
     Q4_1's minimums or Q4_K's dmin), then the K-quants' sub-block scales, 4 bytes of each row a
-    vector. The int8 kernel multiplies
-    16 rows by 4 inputs an instruction, the 16 rows' scales arrive in one vector and no row's
-    sum needs a horizontal reduction: about a third of the instructions a weight of the
-    row-by-row kernel (`csrc/ggml_int8.cpp`)."""
-    rows, row_bytes = blocks.shape
+    vector. The int8 kernel multiplies 16 rows by 4 inputs an instruction, the 16 rows' scales
+    arrive in one vector and no row's sum needs a horizontal reduction: about a third of the
+    instructions a weight of the row-by-row kernel (`csrc/ggml_int8.cpp`)."""
+    rows = blocks.shape[0]
     halves, scales, quants = _sections(blocks.view(rows // X16_ROWS, X16_ROWS, -1,
                                                    _block_bytes(kind)), kind)
     halves = halves.unflatten(-1, (-1, 2)).permute(0, 3, 2, 1, 4)
