@@ -142,7 +142,8 @@ def cmd_bench_dp_linear(args: argparse.Namespace) -> None:
 def cmd_make_random_model(args: argparse.Namespace) -> None:
     from braid.random_model import make_random_model
 
-    out = make_random_model(args.arch, args.preset, args.out_dir, args.seed, args.dtype)
+    out = make_random_model(args.arch, args.preset, args.out_dir, args.seed, args.dtype,
+                            mtp_copy=args.mtp_copy)
     print(f"wrote {args.arch} ({args.preset}) to {out}")
 
 
@@ -257,6 +258,11 @@ def _make_random_model_flags(rand: argparse.ArgumentParser) -> None:
     rand.add_argument("--seed", type=int, default=0)
     rand.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                       help="stored dtype (default: fp32 for tiny, else bf16)")
+    rand.add_argument("--mtp-copy", action="store_true",
+                      help="deepseek_v3: one decoder layer and a copy of it as the MTP layer, "
+                           "which then proposes the model's own next tokens (but for the "
+                           "first token's sway): a draft for --speculative mtp's tests and "
+                           "figures")
     rand.add_argument("out_dir", metavar="OUT_DIR")
 
 

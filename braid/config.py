@@ -198,11 +198,13 @@ class SpeculativeConfig(_Group):
     method: str = setting(
         "off", "speculative decoding: ngram proposes the tokens that followed the latest "
         "earlier occurrence of a sequence's last n tokens in its own prompt and output (prompt "
-        "lookup), draft a small model's greedy tokens (--draft-model); each step verifies "
-        "them and keeps the longest accepted run, exactly (outputs are plain decoding's); "
-        "proposals are sized per step from the measured acceptance and step times",
-        flag="--speculative", key="speculative", choices=("off", "ngram", "draft"))
-    num_tokens: int = setting(16, "most tokens a sequence proposes per step",
+        "lookup), draft a small model's greedy tokens (--draft-model), mtp the token that "
+        "DeepSeek-V3's multi-token-prediction layer (num_nextn_predict_layers) predicts, run "
+        "in the ranks after each step; each step verifies them and keeps the longest accepted "
+        "run, exactly (outputs are plain decoding's); proposals are sized per step from the "
+        "measured acceptance and step times",
+        flag="--speculative", key="speculative", choices=("off", "ngram", "draft", "mtp"))
+    num_tokens: int = setting(16, "most tokens a sequence proposes per step (mtp: one)",
                               flag="--speculative-tokens", key="speculative_tokens", at_least=1)
     ngram_min: int = setting(1, "shortest suffix --speculative ngram looks up", at_least=1)
     ngram_max: int = setting(4, "longest suffix --speculative ngram looks up (tried first)",

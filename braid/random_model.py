@@ -76,6 +76,58 @@ def weight_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "model.norm.weight", (h,)
     if not config["tie_word_embeddings"]:
         yield "lm_head.weight", (config["vocab_size"], h)
+    for i in range(config.get("num_nextn_predict_layers") or 0):
+        yield from _mtp_layer(config, config["num_hidden_layers"] + i)
+
+
+def _mtp_layer(config: dict, index: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """DeepSeek-V3's multi-token-prediction layer `index`, in the official checkpoint's names:
+    its own norms and projection, a MoE decoder layer, and copies of the embedding and the
+    head (`make_random_model` makes them the model's own, as in DeepSeek-V3's file)."""
+    h, p = config["hidden_size"], f"model.layers.{index}."
+    one_layer = {**config, "num_hidden_layers": 1, "first_k_dense_replace": 0,
+                 "num_nextn_predict_layers": 0}
+    for name, shape in weight_shapes(one_layer):
+        if name.startswith("model.layers.0."):
+            yield p + name.removeprefix("model.layers.0."), shape
+    yield p + "enorm.weight", (h,)
+    yield p + "hnorm.weight", (h,)
+    yield p + "eh_proj.weight", (h, 2 * h)
+    yield p + "embed_tokens.weight", (config["vocab_size"], h)
+    yield p + "shared_head.norm.weight", (h,)
+    yield p + "shared_head.head.weight", (config["vocab_size"], h)
+
+
+def _copy_decoder_as_mtp(config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Make a DeepSeek-V3 checkpoint one MoE decoder layer (the preset's second) whose MTP
+    layer is a copy of it, in place: embedding rows of unit RMS, `enorm` and `hnorm` of ones,
+    `eh_proj` passing the normed embedding through, the final norm as `shared_head.norm`. The
+    MTP layer at position p then computes what the model computes at p + 1 for the sequence
+    without its first token (rotary attention depends on distances only), so its proposals are
+    the model's own next-but-one tokens, less where the first token sways them: a draft with
+    a known, high acceptance for tests and figures of `--speculative mtp`."""
+    h = config["hidden_size"]
+    config.update(num_hidden_layers=1, first_k_dense_replace=0, num_nextn_predict_layers=1)
+    embed = tensors["model.embed_tokens.weight"].float()
+    embed = (embed / embed.pow(2).mean(-1, keepdim=True).sqrt()).to(tensors[
+        "model.embed_tokens.weight"].dtype)
+    layer = {name.removeprefix("model.layers.1."): tensor for name, tensor in tensors.items()
+             if name.startswith("model.layers.1.")}
+    kept = {name: tensors[name] for name in ("model.norm.weight", "lm_head.weight")}
+    tensors.clear()
+    tensors.update(kept)
+    tensors["model.embed_tokens.weight"] = embed
+    dtype = embed.dtype
+    for name, tensor in layer.items():
+        tensors["model.layers.0." + name] = tensor
+        tensors["model.layers.1." + name] = tensor.clone()
+    p = "model.layers.1."
+    tensors[p + "enorm.weight"] = torch.ones(h, dtype=dtype)
+    tensors[p + "hnorm.weight"] = torch.ones(h, dtype=dtype)
+    tensors[p + "eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], 1).to(dtype)
+    tensors[p + "shared_head.norm.weight"] = kept["model.norm.weight"].clone()
+    tensors[p + "embed_tokens.weight"] = embed.clone()
+    tensors[p + "shared_head.head.weight"] = kept["lm_head.weight"].clone()
 
 
 def _mlp(prefix: str, hidden: int, inter: int) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -124,9 +176,12 @@ def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator,
 
 
 def make_random_model(arch: str, preset: str, out_dir: str, seed: int = 0,
-                      dtype: str | None = None, tokenizer=None) -> Path:
+                      dtype: str | None = None, tokenizer=None, mtp_copy: bool = False) -> Path:
     """Write the folder; `dtype` defaults to fp32 for `tiny` (exact tests), bf16 for `bench`.
-    `tokenizer`: the embedded model's, if already loaded (loading it takes seconds)."""
+    `tokenizer`: the embedded model's, if already loaded (loading it takes seconds).
+    `mtp_copy` (deepseek_v3): see `_copy_decoder_as_mtp`."""
+    if mtp_copy and arch != "deepseek_v3":
+        raise UserError(f"--mtp-copy is for --arch deepseek_v3, not {arch}")
     if arch not in ARCHS:
         raise UserError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     if preset not in PRESETS:
@@ -153,6 +208,13 @@ def make_random_model(arch: str, preset: str, out_dir: str, seed: int = 0,
     generator = torch.Generator().manual_seed(seed)
     tensors = {name: random_tensor(name, shape, generator).to(DTYPES[dtype]).contiguous()
                for name, shape in weight_shapes(config)}
+    for name in tensors:  # DeepSeek-V3's MTP layers store copies of the embedding and head
+        if name.startswith("model.layers.") and name.endswith("embed_tokens.weight"):
+            tensors[name] = tensors["model.embed_tokens.weight"].clone()
+        elif name.endswith("shared_head.head.weight"):
+            tensors[name] = tensors["lm_head.weight"].clone()
+    if mtp_copy:
+        _copy_decoder_as_mtp(config, tensors)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

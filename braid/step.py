@@ -103,6 +103,8 @@ class StepPlan:
     block_tables: np.ndarray  # [B, max_blocks] int64, padded with 0
     logit_rows: np.ndarray | None = None  # [R] int64
     sample_rows: np.ndarray | None = None  # [S] int64 indices into the logit rows
+    # [G] int64: the sampling rows of each sequence that samples, consecutive (1 + its draft)
+    sample_runs: np.ndarray | None = None
     sampling: SamplingBatch | None = None
     prompt_logprobs: PromptLogprobRows | None = None
     # Embeddings: [P, 2] token ranges [start, end) whose final hidden states are summed
@@ -137,6 +139,9 @@ class StepResult:
     pooled: np.ndarray | None = None  # [P, hidden] fp32: the sums of the plan's pool segments
     path: str = "eager"
     grammar_wait_s: float = 0.0  # how long rank 0 waited for the grammar mask
+    # `--speculative mtp`: the token proposed to follow each sampling run's accepted tokens
+    # (`StepPlan.sample_runs`), by the model's MTP layer
+    proposals: list[int] | None = None
 
 
 # How a step ran (`StepResult.path`, reported by benchmarks and `/metrics`): the decode graph,

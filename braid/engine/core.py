@@ -26,7 +26,12 @@ from braid.engine.kv_cache import BlockManager
 from braid.engine.plan import SequenceRows, build_plan
 from braid.engine.request import Request, SamplingParams, Sequence, check_request
 from braid.engine.scheduler import Scheduler
-from braid.engine.speculation import NgramProposer, Speculator, step_times_file
+from braid.engine.speculation import (
+    LayerProposals,
+    NgramProposer,
+    Speculator,
+    step_times_file,
+)
 from braid.engine.stats import EngineStats, RankMemory
 from braid.engine.step_choice import StepChooser, describe, step_bucket, step_settings
 from braid.errors import UserError, request_failure
@@ -88,10 +93,15 @@ class EngineCore:
         self._rank_memory_read_at = -RANK_MEMORY_REFRESH_S
         self.compiled = False
         self.speculator = None
+        self.layer_proposals: LayerProposals | None = None
         if config.speculative.method == "ngram":
             proposer = NgramProposer(config.speculative.ngram_min, config.speculative.ngram_max)
             self.speculator = Speculator(proposer, config.speculative.num_tokens,
                                          step_times_file(config))
+        elif config.speculative.method == "mtp":
+            # One layer predicts one token; its proposals come with each step's tokens
+            self.layer_proposals = LayerProposals()
+            self.speculator = Speculator(self.layer_proposals, 1, step_times_file(config))
         elif config.speculative.method == "draft":
             from braid.engine.draft import DraftProposer  # loads a model: only where asked
 
@@ -222,7 +232,10 @@ class EngineCore:
                                           next(self._step_ids))
         deltas = failed
         if batch:
-            deltas += self.scheduler.commit(batch, layout, self._run(plan, batch, layout))
+            result = self._run(plan, batch, layout)
+            deltas += self.scheduler.commit(batch, layout, result)
+            if self.layer_proposals is not None:
+                self.layer_proposals.receive(batch, layout, result.proposals)
             if self.speculator is not None and (plan.q_lens == 1).all():
                 # The whole step, the proposals and the commit included: what speculation
                 # costs a client, also where the engine's own work competes for the cores

@@ -18,6 +18,7 @@ from braid import native
 from braid.config import EngineConfig
 from braid.distributed.ranks import check_not_bootstrapping, launch_ranks
 from braid.distributed.shm import ShmSegment, activation_slot_bytes
+from braid.errors import UserError
 from braid.layers.ggml_weight import keeps_quantized_blocks
 from braid.loader.model_config import ModelConfig
 from braid.loader.weight_cache import prepare_gguf_weights
@@ -64,6 +65,10 @@ class RankExecutor:
         model_cls = model_class(model_config)
         tp = config.parallel.tp
         model_cls.check_config(model_config, tp)
+        if config.speculative.method == "mtp" and not model_cls.num_mtp_layers(model_config):
+            raise UserError(f"--speculative mtp needs a checkpoint with multi-token-prediction "
+                            f"layers (DeepSeek-V3's num_nextn_predict_layers); {config.model} "
+                            "has none")
         split = model_cls.describe_split(model_config, tp) if tp > 1 else ""
         if split:
             print(f"tp {tp} split: {split}", file=sys.stderr)

@@ -113,6 +113,8 @@ def build_plan(batch: list[Sequence], block_size: int,
     plan = StepPlan(input_ids, positions, slots.astype(np.int64), q_lens, kv_lens, tables,
                     logit_rows=np.array(logit_rows, dtype=np.int64),
                     sample_rows=np.array(sample_rows, dtype=np.int64),
+                    sample_runs=np.array([rows.num_sample_rows for rows in layout
+                                          if rows.sample_row is not None], dtype=np.int64),
                     sampling=sampling_batch(sampled) if sampled else None,
                     prompt_logprobs=prompt_logprobs, step_id=step_id,
                     pool_segments=np.array(pooled, dtype=np.int64) if pooled else None)

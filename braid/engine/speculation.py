@@ -6,7 +6,9 @@ accepted by the scheduler (`Scheduler._record_tokens`); this module only propose
 
 - **Proposers.** `ngram` (prompt lookup, as vLLM's `ngram` and llama.cpp's lookup decoding):
   the latest earlier occurrence of the sequence's last n tokens (n from `ngram_max` down to
-  `ngram_min`) in its own prompt and output, and the tokens that followed it there.
+  `ngram_min`) in its own prompt and output, and the tokens that followed it there. `mtp`:
+  the token DeepSeek-V3's multi-token-prediction layer computed in the ranks with the step
+  that sampled the sequence's newest token (`braid.worker.mtp`). `draft`: `engine/draft.py`.
 - **Policy.** Each sequence keeps a recent acceptance rate `a` (the accepted share of its drafts,
   averaged with decay, so one long rejected draft does not silence a sequence that copies): a
   draft of d tokens is expected to add a * d. (Copying is all or nothing: a draft that matches the
@@ -126,6 +128,29 @@ class NgramProposer:
                 state.index = NgramIndex(self.n_min, self.n_max)
             state.index.extend(seq)
             drafts.append(state.index.lookup(k) if k else [])
+        return drafts
+
+
+class LayerProposals:
+    """`mtp`: the token the ranks' multi-token-prediction layer proposed to follow each
+    sequence's newest token (`StepResult.proposals`), handed over by the step that sampled
+    that token and valid for the next step only."""
+
+    def __init__(self) -> None:
+        self._next: dict[int, tuple[int, int]] = {}  # seq_id -> (its tokens then, proposal)
+
+    def receive(self, batch: list[Sequence], layout: list, proposals: list[int] | None) -> None:
+        """A step's proposals, after its tokens were committed (`layout`: the step's
+        `SequenceRows`, whose sampling runs the proposals follow)."""
+        sampled = [seq for seq, rows in zip(batch, layout) if rows.sample_row is not None]
+        self._next = {seq.seq_id: (seq.num_tokens, token)
+                      for seq, token in zip(sampled, proposals or [])}
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        drafts = []
+        for seq, k in zip(seqs, ks):
+            tokens_then, token = self._next.get(seq.seq_id, (None, None))
+            drafts.append([token] if k and tokens_then == seq.num_tokens else [])
         return drafts
 
 

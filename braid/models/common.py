@@ -93,6 +93,14 @@ class CausalLM(nn.Module):
     stacked_params: tuple = ()
     # Whether the model has replicated projections that `--dp-linear` splits over tokens.
     has_dp_linear: bool = False
+    # Whether the forward pass also outputs "hidden": every row's final hidden states (after
+    # the final norm), for a draft layer that reads them (`--speculative mtp`)
+    keeps_hidden: bool = False
+
+    @classmethod
+    def num_mtp_layers(cls, config: ModelConfig) -> int:
+        """The checkpoint's multi-token-prediction layers (`--speculative mtp`)."""
+        return 0
 
     @classmethod
     def check_config(cls, config: ModelConfig, tp: int) -> None:
@@ -144,6 +152,8 @@ class CausalLM(nn.Module):
     @between_pieces  # the rows it keeps vary by step (a prompt chunk keeps none)
     def logits_op(self, state: State, batch: ForwardBatch) -> None:
         hidden = self.model.norm(self.final_residual(state))
+        if self.keeps_hidden:
+            state.put("hidden", hidden)
         if batch.pool_tokens is not None:  # embeddings: the sum of each pool segment, fp32
             pooled = hidden.new_zeros(batch.num_pools, hidden.shape[1], dtype=torch.float32)
             state.put("pooled", pooled.index_add_(0, batch.pool_ids,

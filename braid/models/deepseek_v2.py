@@ -16,6 +16,7 @@ the DP linear's all-gather as well as the all-reduces.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from braid.layers.norm import RMSNorm
 from braid.layers.partition import split_range
 from braid.layers.rotary import RotaryEmbedding, yarn_mscale
 from braid.loader.model_config import ModelConfig, rope_kind
+from braid.loader.weights import LazyWeight
 from braid.models.common import CausalLM, DecoderLayer, DecoderModel
 from braid.models.config_fields import (
     COMMON_IMPLEMENTED,
@@ -40,6 +42,7 @@ from braid.models.config_fields import (
     neutral,
     table,
 )
+from braid.models.deepseek_mtp import MultiTokenPredictor
 from braid.models.spec import Architecture, RandomModel
 from braid.overlap.operations import YIELD, State
 
@@ -226,6 +229,10 @@ class DeepseekV2ForCausalLM(CausalLM):
                             f"use --tp of at most {config.num_heads}")
         RouterConfig.from_hf(config.extra, v3=_is_v3(config))
 
+    @classmethod
+    def num_mtp_layers(cls, config: ModelConfig) -> int:
+        return (config.extra.get("num_nextn_predict_layers") or 0) if _is_v3(config) else 0
+
     def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
         mla = MLAConfig.from_hf(config.extra)
         rotary = RotaryEmbedding(mla.qk_rope_head_dim, config.max_position_embeddings,
@@ -233,13 +240,42 @@ class DeepseekV2ForCausalLM(CausalLM):
                                  interleaved=config.extra.get("rope_interleave", True))
         super().__init__(config, DecoderModel(
             config, comm, dtype, lambda i: DeepseekV2DecoderLayer(config, comm, rotary, dtype, i)))
+        self.rotary, self.weights_dtype = rotary, dtype
+        self.mtp: MultiTokenPredictor | None = None
+
+    def attach_mtp(self) -> MultiTokenPredictor:
+        """Add the checkpoint's first multi-token-prediction layer (before loading): its
+        weights load, its cache is allocated, and the forward pass keeps the hidden states
+        it reads."""
+        config, comm = self.config, self.lm_head.comm
+        layer = DeepseekV2DecoderLayer(config, comm, self.rotary, self.weights_dtype,
+                                       config.num_layers)
+        self.mtp = MultiTokenPredictor(config, comm, layer, self.model.embed_tokens,
+                                       self.lm_head, self.weights_dtype)
+        self.keeps_hidden = True
+        return self.mtp
+
+    def attention_layers(self) -> list[nn.Module]:
+        layers = super().attention_layers()
+        return layers if self.mtp is None else [*layers, self.mtp.layer.self_attn.attn]
+
+    def checkpoint_parts(self, name: str,
+                         weight: LazyWeight) -> Iterable[tuple[str, LazyWeight]]:
+        """The first MTP layer's tensors under `mtp.` where it is attached (none for its
+        copies of the embedding and the head)."""
+        layer = _LAYER.match(name)
+        if self.mtp is None or layer is None or int(layer.group(1)) != self.config.num_layers:
+            return ((name, weight),)
+        param = self.mtp.parameter_name(name[layer.end():])
+        return () if param is None else ((f"mtp.{param}", weight),)
 
     def checkpoint_param(self, name: str) -> tuple[str, object] | None:
         """Per-expert checkpoint tensors go into the stacked expert parameters."""
         return expert_checkpoint_param(name)
 
     def is_ignored_weight(self, name: str) -> bool:
-        """Also the layers past `num_hidden_layers` (V3's multi-token-prediction module)."""
+        """Also the layers past `num_hidden_layers` (V3's multi-token-prediction module) that
+        are not attached."""
         layer = _LAYER.match(name)
         return super().is_ignored_weight(name) or (
             layer is not None and int(layer.group(1)) >= self.config.num_layers)
@@ -261,7 +297,8 @@ _FIELDS = table(
         "pretraining_tp", "output_router_logits",
         # the remote code's training losses and its expert-parallel layout
         "aux_loss_alpha", "seq_aux", "ep_size",
-        # V3's multi-token-prediction layers: braid skips their weights and predicts one token
+        # V3's multi-token-prediction layers: read by `--speculative mtp` (`num_mtp_layers`);
+        # without it braid skips their weights
         "num_nextn_predict_layers"),
     **COMMON_RULES,
     mlp_bias=neutral(False, None), attention_bias=neutral(False, None),
@@ -312,7 +349,8 @@ FAMILY = (
             # Sigmoid scores, correction bias, groups ranked by their two best experts.
             dict(scoring_func="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2,
                  num_experts_per_tok=3, n_shared_experts=1, norm_topk_prob=True,
-                 routed_scaling_factor=2.5, q_lora_rank=48, rope_interleave=True),
+                 routed_scaling_factor=2.5, q_lora_rank=48, rope_interleave=True,
+                 num_nextn_predict_layers=1),
             # mscale != mscale_all_dim: the cos/sin magnitude correction is not 1 either.
             dict(type="yarn", factor=4.0, original_max_position_embeddings=512, beta_fast=32,
                  beta_slow=1, mscale=1.0, mscale_all_dim=0.8)))),

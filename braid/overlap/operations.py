@@ -94,9 +94,13 @@ def _finish(state: State, outputs: Sequence[str]) -> dict[str, Any]:
 
 
 def execute(ops: Sequence[Operation | _Yield], batch: Any,
-            outputs: Sequence[str] = ("logits",)) -> dict[str, Any]:
-    """Run the operations in order for one batch (yields ignored); return the outputs."""
+            outputs: Sequence[str] = ("logits",), inputs: dict[str, Any] | None = None
+            ) -> dict[str, Any]:
+    """Run the operations in order for one batch (yields ignored), their state starting with
+    `inputs`; return the outputs."""
     state = State("A")
+    for key, value in (inputs or {}).items():
+        state.put(key, value)
     for index, stage in enumerate(split_stages(ops)):
         _run_stage(stage, state, batch, index)
     return _finish(state, outputs)

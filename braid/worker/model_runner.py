@@ -38,6 +38,7 @@ from braid.worker.compiled_step import (
 )
 from braid.worker.kernels import plan_kernels
 from braid.worker.memory import kv_cache_bytes, trimming, weight_bytes
+from braid.worker.mtp import MTPDraft
 from braid.worker.sampler import postprocess
 from braid.worker.split import split_step
 
@@ -92,6 +93,9 @@ class ModelRunner:
         self.generator.manual_seed(engine.seed)
         cls = model_class(config)
         self.model = cls(config, comm, engine.torch_dtype)
+        mtp_layer = self.model.attach_mtp() if engine.speculative.method == "mtp" else None
+        # The forward pass's outputs: logits, and the hidden states a draft layer reads
+        self.outputs = ("logits", "hidden") if self.model.keeps_hidden else ("logits",)
         self.kernels = plan_kernels(engine, self.model)
         cache_dtype = engine.torch_dtype if engine.cache else None
         weights = checkpoint_weights(engine.model, config, cache_dtype, self.kernels.gguf_blocks)
@@ -114,6 +118,8 @@ class ModelRunner:
                                 engine.kv_torch_dtype, self.device, self.kernels)
         self.decode_graph: CompiledDecodeStep | None = None
         self.pieces: CompiledPieces | None = None
+        self.mtp = (None if mtp_layer is None else
+                    MTPDraft(mtp_layer, comm, engine.kv_cache.block_size, self.device))
 
     def ready(self) -> RankReady:
         """Whether steps can be compiled here, whether the graphs are saved already, and the
@@ -141,7 +147,7 @@ class ModelRunner:
         next step on; a line saying what it did. Every rank runs it at the same point."""
         if self.kernels.not_compiled is not None:
             return f"steps run eager ({self.kernels.not_compiled})"
-        if self.decode_graph is not None:
+        if self.pieces is not None:
             return "compiled steps ready"
         start = time.perf_counter()
         # The graphs hold the real collectives whatever the last step skipped (--skip-comm): a
@@ -149,11 +155,15 @@ class ModelRunner:
         self.comm.skip = False
         configure_compiler()
         mark_static(self.model)
-        decode = self._decode_step
         block_size = self.engine.kv_cache.block_size
-        loaded, compiled = decode.prepare({
-            one: ForwardBatch(plan, block_size, self.device)
-            for one, plan in warm_up_plans(block_size).items()})
+        # A model that also outputs its hidden states runs its decode steps as pieces: the
+        # decode graphs return the logits alone
+        decode = None if self.model.keeps_hidden else self._decode_step
+        loaded = compiled = 0
+        if decode is not None:
+            loaded, compiled = decode.prepare({
+                one: ForwardBatch(plan, block_size, self.device)
+                for one, plan in warm_up_plans(block_size).items()})
         decode_s = time.perf_counter() - start
         pieces = CompiledPieces(self.operations)
         # One step per row-count class of the GEMMs (packed weights up to the plan's
@@ -167,10 +177,10 @@ class ModelRunner:
         overlap = self.engine.switches.overlap != "off"
         with self.comm.long_timeout(COMPILE_COMM_TIMEOUT_S):
             for plan in piece_warm_up_plans(block_size, tokens):
-                execute(pieces.plain, ForwardBatch(plan, block_size, self.device))
+                execute(pieces.plain, ForwardBatch(plan, block_size, self.device), self.outputs)
                 if overlap:
                     batch = ForwardBatch(plan, block_size, self.device)
-                    execute_overlapped(pieces.staged, batch, batch)
+                    execute_overlapped(pieces.staged, batch, batch, outputs=self.outputs)
         for attn in self.model.attention_layers():
             for cache in attn.cache_tensors():
                 cache[0].zero_()
@@ -191,19 +201,24 @@ class ModelRunner:
         if plan.mode.choice:
             tracer().instant(plan.mode.choice, "auto")
         outputs, path = self._forward(plan)
-        if self.comm.rank != 0:
-            return None
-        logits = outputs["logits"]
-        mask, waited = None, 0.0
-        if plan.sampling is not None and len(plan.sampling.grammar_rows):
-            start = time.perf_counter()
-            with tracer().span("wait grammar mask", "sampler"):
-                mask = receive_mask()
-            waited = time.perf_counter() - start
-        result = postprocess(logits, plan, self.generator, mask)
-        result.path, result.grammar_wait_s = path, waited
-        if "pooled" in outputs:
-            result.pooled = outputs["pooled"].cpu().numpy()
+        result = None
+        if self.comm.rank == 0:
+            mask, waited = None, 0.0
+            if plan.sampling is not None and len(plan.sampling.grammar_rows):
+                start = time.perf_counter()
+                with tracer().span("wait grammar mask", "sampler"):
+                    mask = receive_mask()
+                waited = time.perf_counter() - start
+            result = postprocess(outputs["logits"], plan, self.generator, mask)
+            result.path, result.grammar_wait_s = path, waited
+            if "pooled" in outputs:
+                result.pooled = outputs["pooled"].cpu().numpy()
+        if self.mtp is not None:
+            with tracer().span("mtp draft", "A"):
+                proposals = self.mtp.propose(plan, outputs["hidden"],
+                                             None if result is None else result.tokens or [])
+            if result is not None:
+                result.proposals = proposals
         return result
 
     @torch.inference_mode()
@@ -219,21 +234,23 @@ class ModelRunner:
         compressed run eager: the graphs hold the plain ones; steps that embed run one batch
         outside the decode graph, which has no pooled output."""
         block_size = self.engine.kv_cache.block_size
-        compiled = (self.decode_graph is not None and not plan.mode.skip_comm
+        compiled = (self.pieces is not None and not plan.mode.skip_comm
                     and plan.mode.comm_compression == "none")
         pooling = plan.pool_segments is not None
         parts = (split_step(plan, self.engine.switches.tbo_token_distribution_threshold)
                  if plan.mode.overlap and not pooling else None)
         if parts is None:
             batch = ForwardBatch(plan, block_size, self.device)
-            if compiled and not pooling and self.decode_graph.handles(batch):
+            if (compiled and not pooling and self.decode_graph is not None
+                    and self.decode_graph.handles(batch)):
                 with tracer().span("decode graph", "A"):
                     return {"logits": self.decode_graph(batch)}, "graph"
             ops = self.pieces.plain if compiled else self.operations
-            outputs = ("logits", "pooled") if pooling else ("logits",)
+            outputs = (*self.outputs, "pooled") if pooling else self.outputs
             return execute(ops, batch, outputs), "pieces" if compiled else "eager"
         ops = self.pieces.staged if compiled else self.operations
         out_a, out_b = execute_overlapped(ops, ForwardBatch(parts.a, block_size, self.device),
-                                          ForwardBatch(parts.b, block_size, self.device))
+                                          ForwardBatch(parts.b, block_size, self.device),
+                                          outputs=self.outputs)
         path = "pieces+overlap" if compiled else "eager+overlap"
-        return {"logits": torch.cat([out_a["logits"], out_b["logits"]])}, path
+        return {key: torch.cat([out_a[key], out_b[key]]) for key in self.outputs}, path
