@@ -240,6 +240,31 @@ class FixedProposer:
         return [[1] * k for k in ks]
 
 
+class AskedProposer(FixedProposer):
+    """Records the depths it is asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[int]] = []
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        self.asked.append(list(ks))
+        return super().propose(seqs, ks)
+
+
+def test_a_proposer_is_asked_only_for_the_depth_a_step_pays_for():
+    """Where rows cost what tokens are worth (a compute-bound batch), a costly proposer (a
+    draft model) is asked for nothing; where rows are almost free, for the whole depth."""
+    for row_ms, expected in [(1.0, 0), (0.01, 4)]:
+        proposer = AskedProposer()
+        speculator = Speculator(proposer, 4)
+        for rows in (32, 64, 160) * 3:
+            speculator.observe_step(rows, 0.010 + rows * row_ms / 1000)
+        seqs = [Sequence(i, "r", i, [1, 2, 3], SamplingParams(max_new_tokens=100))
+                for i in range(32)]
+        speculator.propose(seqs)
+        assert proposer.asked == [[expected] * 32]
+
+
 def ledger_run(accepted: int, steps: int, draft_row_ms: float) -> list[int]:
     """Draft lengths one sequence proposes over `steps` decode steps, each draft accepting its
     first `accepted` tokens, a step costing 10 ms plus `draft_row_ms` per draft row."""

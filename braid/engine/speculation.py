@@ -316,9 +316,12 @@ class Speculator:
                 ks.append(room)
         if not verified:
             self.traffic.relax()
-        drafts = self.proposer.propose(seqs, ks)  # also when empty: it may free state
-        cap = self._best_cap(len(decoding), [s.speculation.acceptance.rate for s in seqs],
-                             [len(d) for d in drafts])
+        rates = [s.speculation.acceptance.rate for s in seqs]
+        # The cap as if every draft were as long as asked, before drafting: a costly proposer
+        # (a draft model) drafts no deeper than a step can pay for, or not at all
+        most = self._best_cap(len(decoding), rates, ks)
+        drafts = self.proposer.propose(seqs, [min(k, most) for k in ks])  # also when empty:
+        cap = self._best_cap(len(decoding), rates, [len(d) for d in drafts])  # it frees state
         for seq, draft in zip(seqs, drafts):
             seq.draft = draft[:cap]
             seq.speculation.proposed = len(seq.draft)
