@@ -19,7 +19,9 @@ accepted by the scheduler (`Scheduler._record_tokens`); this module only propose
   medians are too noisy to difference: a step of 34 rows came out faster than one of 32). Before a
   step, every candidate depth cap d is weighed: the tokens the step is expected to yield (one per
   sequence, plus a * min(d, its draft)) over the fitted time of a step of that many rows; the best
-  cap applies. At small batch a row is almost free (the weights are read once either way), at
+  cap applies (weighed first for drafts as long as asked, and the proposer asked for no
+  more, so a draft model does not draft what no step pays for; then again for the drafts'
+  real lengths). At small batch a row is almost free (the weights are read once either way), at
   large batch on a compute-bound host rows cost what tokens are worth and speculation switches
   itself off. With one count timed, a count up to twice it is assumed to cost the same (beyond, in
   proportion), so it is tried, timed, and from then on weighed; the timings age out of the window,
