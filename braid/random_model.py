@@ -98,6 +98,16 @@ def _mtp_layer(config: dict, index: int) -> Iterator[tuple[str, tuple[int, ...]]
     yield p + "shared_head.head.weight", (config["vocab_size"], h)
 
 
+def _copied_from(name: str) -> str | None:
+    """The tensor a checkpoint stores a copy of under `name`: DeepSeek-V3's MTP layers hold the
+    model's embedding and head."""
+    if name.startswith("model.layers.") and name.endswith("embed_tokens.weight"):
+        return "model.embed_tokens.weight"
+    if name.endswith("shared_head.head.weight"):
+        return "lm_head.weight"
+    return None
+
+
 def _copy_decoder_as_mtp(config: dict, tensors: dict[str, torch.Tensor]) -> None:
     """Make a DeepSeek-V3 checkpoint one MoE decoder layer (the preset's second) whose MTP
     layer is a copy of it, in place: embedding rows of unit RMS, `enorm` and `hnorm` of ones,
@@ -206,13 +216,12 @@ def make_random_model(arch: str, preset: str, out_dir: str, seed: int = 0,
                           tokenizer.eos_token_id)
     config["torch_dtype"] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
     generator = torch.Generator().manual_seed(seed)
+    shapes = list(weight_shapes(config))
+    copies = {name: _copied_from(name) for name, _ in shapes if _copied_from(name)}
     tensors = {name: random_tensor(name, shape, generator).to(DTYPES[dtype]).contiguous()
-               for name, shape in weight_shapes(config)}
-    for name in tensors:  # DeepSeek-V3's MTP layers store copies of the embedding and head
-        if name.startswith("model.layers.") and name.endswith("embed_tokens.weight"):
-            tensors[name] = tensors["model.embed_tokens.weight"].clone()
-        elif name.endswith("shared_head.head.weight"):
-            tensors[name] = tensors["lm_head.weight"].clone()
+               for name, shape in shapes if name not in copies}
+    for name, source in copies.items():
+        tensors[name] = tensors[source].clone()
     if mtp_copy:
         _copy_decoder_as_mtp(config, tensors)
     out.mkdir(parents=True, exist_ok=True)
