@@ -158,11 +158,16 @@ class CausalLM(nn.Module):
             pooled = hidden.new_zeros(batch.num_pools, hidden.shape[1], dtype=torch.float32)
             state.put("pooled", pooled.index_add_(0, batch.pool_ids,
                                                   hidden[batch.pool_tokens].float()))
-        if batch.logits_index is not None:
-            hidden = hidden[batch.logits_index]
-        if hidden.shape[0] == 0:  # no logits wanted (a prompt chunk): every rank skips the head
-            state.put("logits", hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32))
-            return
-        # Row-major: sampling over a transposed layout (argmax, row selection) costs several
-        # times the transpose.
-        state.put("logits", self.lm_head(hidden).contiguous())
+        state.put("logits", logit_rows(self.lm_head, hidden, batch))
+
+
+def logit_rows(head: ParallelLMHead, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """The head's logits of the batch's logit rows of `hidden` (on rank 0; see
+    `ParallelLMHead`), row-major."""
+    if batch.logits_index is not None:
+        hidden = hidden[batch.logits_index]
+    if hidden.shape[0] == 0:  # no logits wanted (a prompt chunk): every rank skips the head
+        return hidden.new_empty(0, sum(head.vocab_sizes), dtype=torch.float32)
+    # Row-major: sampling over a transposed layout (argmax, row selection) costs several
+    # times the transpose.
+    return head(hidden).contiguous()

@@ -27,6 +27,7 @@ from braid.layers.forward_batch import ForwardBatch
 from braid.layers.linear import ReplicatedLinear
 from braid.layers.norm import RMSNorm
 from braid.loader.model_config import ModelConfig
+from braid.models.common import logit_rows
 from braid.overlap.operations import YIELD, State
 
 # The layer's checkpoint tensors that are copies of the model's own
@@ -75,17 +76,10 @@ class MultiTokenPredictor(nn.Module):
         combined = torch.cat([self.enorm(embed(batch.input_ids)), self.hnorm(previous)], dim=-1)
         residual = self.eh_proj(combined)
         state.put("residual", residual)
-        hidden = self.layer.input_layernorm(residual)
-        state.put("hidden", hidden)
-        state.put("projected", self.layer.self_attn.project_latent(hidden, batch))
+        self.layer.start_attention(self.layer.input_layernorm(residual), state, batch)
 
     def logits_op(self, state: State, batch: ForwardBatch) -> None:
         """Logits of the batch's logit rows (gathered on rank 0, as the model's)."""
         _, head = self._model
         hidden = self.norm(self.comm.wait_sum(state.take("partial"), state.take("residual")))
-        if batch.logits_index is not None:
-            hidden = hidden[batch.logits_index]
-        if hidden.shape[0] == 0:
-            state.put("logits", hidden.new_empty(0, sum(head.vocab_sizes), dtype=torch.float32))
-            return
-        state.put("logits", head(hidden).contiguous())
+        state.put("logits", logit_rows(head, hidden, batch))

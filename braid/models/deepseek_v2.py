@@ -194,7 +194,10 @@ class DeepseekV2DecoderLayer(DecoderLayer):
         return [self.latent_op, YIELD, self.attention_op, YIELD, self.mlp_op, YIELD]
 
     def latent_op(self, state: State, batch: ForwardBatch) -> None:
-        hidden = self.attention_input(state)
+        self.start_attention(self.attention_input(state), state, batch)
+
+    def start_attention(self, hidden: torch.Tensor, state: State, batch: ForwardBatch) -> None:
+        """Keep the attention's normed input and start its fused A projection."""
         state.put("hidden", hidden)
         state.put("projected", self.self_attn.project_latent(hidden, batch))
 
