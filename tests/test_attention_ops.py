@@ -386,53 +386,6 @@ def test_the_decode_kernel_serves_a_rank_of_unequal_groups(heads, kv_heads, tp):
                                                    shard))
 
 
-def test_a_shared_kv_head_is_attended_once_over_the_ranks_parts_of_the_rows():
-    """SmolLM2's heads at tp 2 with KV head 1 split over sequences: each rank's operator call
-    attends its own KV head for every row and the shared one's whole group for the rows of
-    its part of the keys, zeros elsewhere; the two parts cover every row once and balance
-    the keys read."""
-    from types import SimpleNamespace
-
-    from braid.layers import decode_kernel
-    from braid.layers.attention import PagedAttention, gather_blocks
-    from braid.layers.partition import partition_heads
-
-    assert decode_kernel.load()
-    gen = torch.Generator().manual_seed(11)
-    lengths = [40, 17, 1, 33, 25, 48]
-    tables = torch.randperm(24, generator=gen)[:18].view(6, 3)
-    attended_rows = []
-    for shard in partition_heads(9, 3, 2):
-        attn = PagedAttention(shard.held[1], shard.kv_count, 64, shard.runs(),
-                              kv_parts=shard.kv_parts, own_offset=shard.own_offset)
-        attn.allocate_cache(24, 16, torch.float32, torch.device("cpu"),
-                            KernelPlan(kv_layout=cache_layout(torch.float32, 16, 64)))
-        fill_cache(attn, gen)
-        q = torch.randn(6, shard.held[1], 64, generator=gen)
-        out = attn._decode_kernel(q, SimpleNamespace(block_tables=tables,
-                                                     seq_lens=torch.tensor(lengths)))
-        shared = [j for j, (_, parts) in enumerate(shard.kv_parts) if parts == 2]
-        assert len(shared) == 1
-        group = slice(shared[0] * 3, shared[0] * 3 + 3)
-        rows = []
-        for b, n in enumerate(lengths):
-            keys = gather_blocks(attn.k_cache, tables[b:b + 1])[0, :n]
-            values = gather_blocks(attn.v_cache, tables[b:b + 1])[0, :n]
-            expected = torch.cat([reference(q[b:b + 1, 3 * j:3 * j + 3], keys[:, j:j + 1],
-                                            values[:, j:j + 1], n - 1, attn.scale)
-                                  for j in range(shard.kv_count)], dim=1)
-            if out[b, group].abs().sum() == 0:
-                expected[:, group] = 0
-            else:
-                rows.append(b)
-            close(out[b:b + 1], expected)
-        attended_rows.append(rows)
-    assert sorted(attended_rows[0] + attended_rows[1]) == list(range(len(lengths)))
-    # a row goes to the part its keys' middle falls in: row 3's (keys 58-91) is before 82,
-    # half of the 164
-    assert attended_rows == [[0, 1, 2, 3], [4, 5]]
-
-
 # The int8 pair layout's kernel rounds the queries and softmax weights to int16 (2^-16 of a
 # row's largest): an error of order 1e-4 on outputs of order 1, a hundredth of what storing
 # the rows as int8 costs (0.4% of a row's largest).

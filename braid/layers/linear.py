@@ -160,13 +160,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused Q, K and V projections; this rank's heads are given by a `HeadShard` (the queries
-    of its `held` heads)."""
+    """Fused Q, K and V projections; this rank's heads are given by a `HeadShard`."""
 
     def __init__(self, hidden_size: int, head_dim: int, heads: HeadShard, comm: Communicator, *,
                  bias: bool = False, dtype: torch.dtype = torch.float32) -> None:
         ranges = [
-            (heads.held[0] * head_dim, heads.held[1] * head_dim),
+            (heads.q_start * head_dim, heads.q_count * head_dim),
             (heads.kv_start * head_dim, heads.kv_count * head_dim),
             (heads.kv_start * head_dim, heads.kv_count * head_dim),
         ]
