@@ -117,7 +117,8 @@ def _register_fakes() -> None:
     fake = torch.library.register_fake
 
     @fake("braid::paged_decode_attention")
-    def _(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, scale):
+    def _(q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, scale,
+          kv_parts=None, row_tokens=None):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @fake("braid::few_rows_linear")

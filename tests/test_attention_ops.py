@@ -376,7 +376,7 @@ def test_the_decode_kernel_serves_a_rank_of_unequal_groups(heads, kv_heads, tp):
         meta = SimpleNamespace(block_tables=torch.randperm(16, generator=gen)[:9].view(3, 3),
                                seq_lens=torch.tensor(lengths))
         q = torch.randn(3, shard.q_count, 64, generator=gen)
-        out = attn._decode_kernel(q, meta)
+        out = attn._decode_kernel(q, meta, torch.zeros(3, dtype=torch.int64))
         assert out.shape == q.shape
         for b, n in enumerate(lengths):
             table = meta.block_tables[b:b + 1]
@@ -384,6 +384,61 @@ def test_the_decode_kernel_serves_a_rank_of_unequal_groups(heads, kv_heads, tp):
             values = gather_blocks(attn.v_cache, table)[0, :n]
             close(out[b:b + 1], per_head_reference(q[b:b + 1], keys, values, n - 1, attn.scale,
                                                    shard))
+
+
+def test_a_shared_kv_head_is_attended_once_over_the_ranks_parts_of_the_rows():
+    """SmolLM2's heads at tp 2 with KV head 1 split over sequences: each rank's operator call
+    attends its own KV head for every row and the shared one's whole group for the rows of
+    its part, zeros elsewhere; the parts cover every row once, balance a batch, and a row's
+    part is its own (its length and input token), whatever else the batch holds."""
+    from types import SimpleNamespace
+
+    from braid.layers import decode_kernel
+    from braid.layers.attention import PagedAttention, gather_blocks
+    from braid.layers.partition import partition_heads
+
+    assert decode_kernel.load()
+    gen = torch.Generator().manual_seed(11)
+    rows_in_batch = 32
+    lengths = torch.randint(1, 49, (rows_in_batch,), generator=gen)
+    tokens = torch.randint(0, 49152, (rows_in_batch,), generator=gen)
+    tables = torch.randperm(3 * rows_in_batch, generator=gen).view(rows_in_batch, 3)
+    attended_rows = []
+    for shard in partition_heads(9, 3, 2):
+        attn = PagedAttention(shard.held[1], shard.kv_count, 64, shard.runs(),
+                              kv_parts=shard.kv_parts, own_offset=shard.own_offset)
+        attn.allocate_cache(3 * rows_in_batch, 16, torch.float32, torch.device("cpu"),
+                            KernelPlan(kv_layout=cache_layout(torch.float32, 16, 64)))
+        fill_cache(attn, gen)
+        q = torch.randn(rows_in_batch, shard.held[1], 64, generator=gen)
+        out = attn._decode_kernel(q, SimpleNamespace(block_tables=tables, seq_lens=lengths),
+                                  tokens)
+        shared = [j for j, (_, parts) in enumerate(shard.kv_parts) if parts == 2]
+        assert len(shared) == 1
+        group = slice(shared[0] * 3, shared[0] * 3 + 3)
+        rows = []
+        for b, n in enumerate(lengths.tolist()):
+            keys = gather_blocks(attn.k_cache, tables[b:b + 1])[0, :n]
+            values = gather_blocks(attn.v_cache, tables[b:b + 1])[0, :n]
+            expected = torch.cat([reference(q[b:b + 1, 3 * j:3 * j + 3], keys[:, j:j + 1],
+                                            values[:, j:j + 1], n - 1, attn.scale)
+                                  for j in range(shard.kv_count)], dim=1)
+            if out[b, group].abs().sum() == 0:
+                expected[:, group] = 0
+            else:
+                rows.append(b)
+            close(out[b:b + 1], expected)
+        # Each row alone, or in the batch reversed, gets the same output: its part is its own.
+        for b in range(rows_in_batch):
+            alone = attn._decode_kernel(q[b:b + 1], SimpleNamespace(
+                block_tables=tables[b:b + 1], seq_lens=lengths[b:b + 1]), tokens[b:b + 1])
+            assert torch.equal(alone[0], out[b])
+        reversed_rows = attn._decode_kernel(q.flip(0), SimpleNamespace(
+            block_tables=tables.flip(0), seq_lens=lengths.flip(0)), tokens.flip(0))
+        assert torch.equal(reversed_rows.flip(0), out)
+        attended_rows.append(rows)
+    assert sorted(attended_rows[0] + attended_rows[1]) == list(range(rows_in_batch))
+    assert all(8 <= len(rows) <= 24 for rows in attended_rows), attended_rows
 
 
 # The int8 pair layout's kernel rounds the queries and softmax weights to int16 (2^-16 of a

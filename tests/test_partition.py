@@ -27,6 +27,20 @@ def test_smollm_query_heads_split_evenly_at_tp2():
     assert shards[1].runs() == [(0, 1, 0, 1), (1, 3, 1, 1)]
 
 
+def test_a_shared_kv_head_is_split_over_sequences_where_each_rank_has_its_own():
+    # SmolLM2 at tp 2: KV head 1 is read by both ranks; each holds its whole query group
+    # (heads 3-5) and attends it over its part of the decode rows, so each reads 1.5 KV heads.
+    shards = partition_heads(9, 3, 2)
+    assert [s.kv_parts for s in shards] == [((0, 1), (0, 2)), ((1, 2), (0, 1))]
+    assert [s.held for s in shards] == [(0, 6), (3, 6)]
+    assert [s.own_offset for s in shards] == [0, 2]
+    # No cut group, or a rank with no KV head of its own (one KV head for all, as Gemma 3
+    # 1B at tp 2), or a rank that would hold more than a group beyond its own heads: as before.
+    for heads, kv, tp in [(9, 3, 3), (32, 8, 2), (4, 1, 2), (9, 3, 4), (32, 8, 3)]:
+        for s in partition_heads(heads, kv, tp):
+            assert s.kv_parts == () and s.held == (s.q_start, s.q_count), (heads, kv, tp)
+
+
 def test_whole_groups_are_one_run():
     assert [s.runs() for s in partition_heads(32, 8, 2)] == [[(0, 16, 0, 4)]] * 2
     assert partition_heads(9, 3, 4)[2].runs() == [(0, 2, 0, 2)]  # one head from each of two
@@ -92,5 +106,8 @@ def test_the_split_printed_at_startup_names_each_ranks_heads(model_path):
 
     config = load_model_config(model_path)
     assert LlamaForCausalLM.describe_split(config, 2) == (
-        "rank 0: query heads 0-4 (KV 0-1); rank 1: query heads 5-8 (KV 1-2); "
-        "MLP columns 768/768; vocabulary rows 24576/24576")
+        "rank 0: query heads 0-4 (KV 0-1; KV 1 split over sequences at decode, query heads "
+        "0-5 held); rank 1: query heads 5-8 (KV 1-2; KV 1 split over sequences at decode, "
+        "query heads 3-8 held); MLP columns 768/768; vocabulary rows 24576/24576")
+    assert LlamaForCausalLM.describe_split(config, 3).startswith(
+        "rank 0: query heads 0-2 (KV 0); rank 1: query heads 3-5 (KV 1);")

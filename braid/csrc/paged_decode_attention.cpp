@@ -432,11 +432,40 @@ void attend_task(const Task<T, C>& a, bool pairs, float scale, float* qf, int16_
   attend<G>(a, scale, qf, scores, L);
 }
 
+// Which (row, KV head) pairs a call attends: all of them, or, for a KV head that several
+// ranks hold (`kv_parts` [Hk, 2]: this rank's part and the number of parts), only the rows
+// whose part is this rank's. A row's part is a hash of its own length and input token, so that
+// every rank computes the same from the same step, each row is attended by exactly one of them
+// (the others' outputs for it are zeros, which the row-parallel output projection's sum
+// ignores), and a sequence's row goes to the same rank whatever else the step holds: its sums,
+// cut between the ranks by that choice, are then the same in any batch.
+class RowShares {
+ public:
+  RowShares(const c10::optional<at::Tensor>& kv_parts, const int64_t* lens,
+            const int64_t* tokens)
+      : parts_(kv_parts ? kv_parts->data_ptr<int64_t>() : nullptr), lens_(lens),
+        tokens_(tokens) {}
+  bool attends(int64_t b, int64_t h) const {
+    if (parts_ == nullptr || parts_[2 * h + 1] == 1) return true;
+    uint64_t x = uint64_t(lens_[b]) * 0x9E3779B97F4A7C15ull ^ uint64_t(tokens_[b]);
+    x ^= x >> 31;  // a splitmix64 finalizer: nearby lengths and tokens land apart
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 29;
+    return int64_t(x % uint64_t(parts_[2 * h + 1])) == parts_[2 * h];
+  }
+
+ private:
+  const int64_t* parts_;
+  const int64_t* lens_;
+  const int64_t* tokens_;  // each row's input token
+};
+
 template <typename T, typename C>
 void attend_all(const at::Tensor& q, const Geometry& geo, const C* kp, const C* vp,
                 const c10::optional<at::Tensor>& k_scales,
                 const c10::optional<at::Tensor>& v_scales, const at::Tensor& tables,
-                const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                const at::Tensor& seq_lens, const RowShares& shares, double scale,
+                at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = geo.D, Hk = geo.Hk, bs = geo.bs;
   const int64_t G = Hq / Hk, W = tables.size(1);
   const T* qp = q.data_ptr<T>();
@@ -452,13 +481,18 @@ void attend_all(const at::Tensor& q, const Geometry& geo, const C* kp, const C* 
     std::vector<int16_t> halves(geo.pairs ? G * std::max(D, W * bs) : 0);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / Hk, h = i % Hk;
+      if (!shares.attends(b, h)) {
+        std::fill_n(op + (b * Hq + h * G) * D, G * D, T(0));
+        continue;
+      }
       const Task<T, C> a{qp + b * q.stride(0) + h * G * q.stride(1), kp + h * geo.k_head,
                          vp + h * geo.v_head, ksp ? ksp + h * s_head : nullptr,
                          vsp ? vsp + h * s_head : nullptr, tp + b * W, q.stride(1), lp[b], D,
                          bs, geo.k_block, geo.kd, geo.v_block, geo.vt, s_block,
                          op + (b * Hq + h * G) * D};
-      if (i + 1 < end) {  // the next task's first two blocks into L2, ahead of its own prefetches
-        const int64_t next_b = (i + 1) / Hk, next_h = (i + 1) % Hk;
+      const int64_t next_b = (i + 1) / Hk, next_h = (i + 1) % Hk;
+      if (i + 1 < end && shares.attends(next_b, next_h)) {
+        // the next task's first two blocks into L2, ahead of its own prefetches
         for (int64_t w = 0; w < std::min<int64_t>(2, (lp[next_b] + bs - 1) / bs); ++w) {
           const int64_t block = tp[next_b * W + w];
           prefetch<2>(kp + next_h * geo.k_head + block * geo.k_block, D * bs);
@@ -483,13 +517,14 @@ template <typename T>
 void attend_all_of_cache(const at::Tensor& q, const Geometry& geo, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scales,
                          const c10::optional<at::Tensor>& v_scales, const at::Tensor& tables,
-                         const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                         const at::Tensor& seq_lens, const RowShares& shares, double scale,
+                         at::Tensor& out) {
   if (k_cache.scalar_type() == at::kChar) {
     attend_all<T, int8_t>(q, geo, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
-                          k_scales, v_scales, tables, seq_lens, scale, out);
+                          k_scales, v_scales, tables, seq_lens, shares, scale, out);
   } else {
     attend_all<T, T>(q, geo, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_scales, v_scales,
-                     tables, seq_lens, scale, out);
+                     tables, seq_lens, shares, scale, out);
   }
 }
 
@@ -538,13 +573,16 @@ Geometry geometry_of(const at::Tensor& k, const at::Tensor& v) {
 // heads are read through their strides), of q's dtype or int8, or int8 or bf16 in the pair
 // layout (`geometry_of`); k_scales, v_scales (int8 caches only): [blocks, bs, Hk] float views
 // stored [Hk, blocks, bs], one per token and head (a value is its int8 times its scale);
-// block_tables: [B, W]; seq_lens: [B], each 1 to W * bs.
+// block_tables: [B, W]; seq_lens: [B], each 1 to W * bs; kv_parts and row_tokens ([B] int64,
+// each row's input token): see `RowShares`.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache,
                                   const c10::optional<at::Tensor>& k_scales,
                                   const c10::optional<at::Tensor>& v_scales,
                                   const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& seq_lens, double scale,
+                                  const c10::optional<at::Tensor>& kv_parts,
+                                  const c10::optional<at::Tensor>& row_tokens) {
   TORCH_CHECK(q.dim() == 3, "paged_decode_attention: q [B, Hq, D]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
               "paged_decode_attention: key and value caches of one dtype");
@@ -591,14 +629,34 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                   num_blocks, " blocks");
     }
   }
+  if (kv_parts) {
+    TORCH_CHECK(kv_parts->scalar_type() == at::kLong && kv_parts->is_contiguous() &&
+                    kv_parts->sizes() == at::IntArrayRef({geo.Hk, 2}),
+                "paged_decode_attention: kv_parts int64 [Hk, 2]");
+    const int64_t* pp = kv_parts->data_ptr<int64_t>();
+    for (int64_t h = 0; h < geo.Hk; ++h) {
+      TORCH_CHECK(pp[2 * h + 1] >= 1 && pp[2 * h] >= 0 && pp[2 * h] < pp[2 * h + 1],
+                  "paged_decode_attention: KV head ", h, "'s part ", pp[2 * h], " of ",
+                  pp[2 * h + 1]);
+    }
+  }
+  TORCH_CHECK(kv_parts.has_value() == row_tokens.has_value(),
+              "paged_decode_attention: kv_parts come with row_tokens");
+  at::Tensor tokens;
+  if (row_tokens) {
+    TORCH_CHECK(row_tokens->scalar_type() == at::kLong && row_tokens->numel() == q.size(0),
+                "paged_decode_attention: row_tokens int64 [B]");
+    tokens = row_tokens->contiguous();
+  }
+  const RowShares shares(kv_parts, lp, row_tokens ? tokens.data_ptr<int64_t>() : nullptr);
   at::Tensor out = at::empty(qv.sizes(), qv.options());
   if (q.scalar_type() == at::kBFloat16) {
     attend_all_of_cache<at::BFloat16>(qv, geo, k_cache, v_cache, k_scales, v_scales, tables,
-                                      lens, scale, out);
+                                      lens, shares, scale, out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode_attention: bf16 or fp32");
     attend_all_of_cache<float>(qv, geo, k_cache, v_cache, k_scales, v_scales, tables, lens,
-                               scale, out);
+                               shares, scale, out);
   }
   return out;
 }
@@ -607,7 +665,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY(braid, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scales, "
-        "Tensor? v_scales, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+        "Tensor? v_scales, Tensor block_tables, Tensor seq_lens, float scale, "
+        "Tensor? kv_parts=None, Tensor? row_tokens=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(braid, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

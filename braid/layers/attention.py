@@ -41,6 +41,12 @@ class PagedAttention(nn.Module):
 
     `runs` (`HeadShard.runs()`) lists the rank's head ranges that are each uniformly grouped
     (a rank holding part of a KV head's query group); by default all heads form one.
+    `kv_parts` (`HeadShard.kv_parts`): shared KV heads split over sequences. The rank then
+    holds `num_heads` query heads, every one of its KV heads' groups, of which it attends its
+    own (`own_offset`, the heads `runs` cover) in prefill; decode steps through the C++
+    operator attend all of them, each shared KV head over the rows whose part (a hash of the
+    row's length and input token, the same in any batch) is the rank's. The heads or rows
+    another rank attends come out as zeros.
 
     `window`: a sliding-window layer's queries see only the last `window` keys, their own
     included (Mistral, Gemma 3's local layers). Where a group's sequences are longer than
@@ -51,12 +57,17 @@ class PagedAttention(nn.Module):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  runs: list[tuple[int, int, int, int]] | None = None, *,
-                 window: int | None = None, scale: float | None = None) -> None:
+                 window: int | None = None, scale: float | None = None,
+                 kv_parts: tuple[tuple[int, int], ...] = (), own_offset: int = 0) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.runs = runs or [(0, num_heads, 0, num_kv_heads)]
+        self.own_offset = own_offset
+        self.own_heads = sum(run[1] for run in self.runs)
+        self.register_buffer("kv_parts", torch.tensor(kv_parts) if kv_parts else None,
+                             persistent=False)
         padded, kept = _padded_groups(self.runs) or (None, None)
         # buffers, so that they follow the model to its device
         self.register_buffer("decode_padded", padded, persistent=False)
@@ -119,27 +130,30 @@ class PagedAttention(nn.Module):
             # A decode step traced whole (braid.worker.compiled_step).
             meta = batch.attn_groups[0].meta
             if self.decode_operator and self.window is None:
-                return self._decode_kernel(q, meta).flatten(1)
+                return self._decode_kernel(q, meta, batch.input_ids).flatten(1)
             key_mask = meta.key_mask
             if self.window is not None:
                 key_mask = sliding_key_mask(key_mask, meta.seq_lens, self.window)
-            return padded_decode(traced_decode_attention, q, self.k_cache, self.v_cache,
-                                 meta.block_tables, key_mask, self.scale, self.k_scales,
-                                 self.v_scales, padded=self.decode_padded,
-                                 kept=self.decode_kept).flatten(1)
-        return concat_groups([self._attend(q[g.tokens], k[g.tokens], v[g.tokens], g.meta)
+            return self._held(padded_decode(
+                traced_decode_attention, self._own(q), self.k_cache, self.v_cache,
+                meta.block_tables, key_mask, self.scale, self.k_scales, self.v_scales,
+                padded=self.decode_padded, kept=self.decode_kept)).flatten(1)
+        return concat_groups([self._attend(q[g.tokens], k[g.tokens], v[g.tokens], g.meta,
+                                           batch.input_ids[g.tokens])
                               for g in batch.attn_groups])
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """One group of sequences (see `AttentionMetadata` for the three ways)."""
+                meta: AttentionMetadata, tokens: torch.Tensor) -> torch.Tensor:
+        """One group of sequences (see `AttentionMetadata` for the three ways); `tokens`:
+        its input token ids."""
         kernels = True
         if self.window is not None:
             windowed = meta.windowed(self.window)
             kernels, meta = windowed is meta, windowed
         if meta.decode and self.decode_operator and kernels:
-            out = self._decode_kernel(q, meta)
-        elif meta.decode:
+            return self._decode_kernel(q, meta, tokens).flatten(1)
+        rows, q = q.shape[0], self._own(q)
+        if meta.decode:
             keys = gather_blocks(self.k_cache, meta.block_tables, self.k_scales, q.dtype)
             values = gather_blocks(self.v_cache, meta.block_tables, self.v_scales, q.dtype)
             out = padded_decode(decode_attention, q, keys, values, meta.key_mask, self.scale,
@@ -147,11 +161,12 @@ class PagedAttention(nn.Module):
         elif meta.equal_fresh:
             shape = (meta.batch_size, meta.q_lens[0], -1, self.head_dim)
             kernel = self.prefill_kernel or batched_causal_attention
-            out = self._by_runs(kernel, q.view(shape), k.view(shape), v.view(shape), self.scale)
+            out = self._by_runs(kernel, q.reshape(shape), k.view(shape), v.view(shape),
+                                self.scale)
         else:
             out = concat_groups([self._attend_sequence(q, k, v, meta, b, kernels)
                                  for b in range(meta.batch_size)])
-        return out.reshape(q.shape[0], -1)
+        return self._held(out.reshape(rows, self.own_heads, -1)).flatten(1)
 
     def _attend_sequence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          meta: AttentionMetadata, b: int, kernels: bool) -> torch.Tensor:
@@ -169,11 +184,29 @@ class PagedAttention(nn.Module):
                                  self.scale)[0]
         return self._by_runs(causal_attention, q[rows], keys, values, meta.masks[b], self.scale)
 
-    def _decode_kernel(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Decode rows through the C++ operator, in one call for all of the rank's runs."""
+    def _decode_kernel(self, q: torch.Tensor, meta: AttentionMetadata,
+                       tokens: torch.Tensor) -> torch.Tensor:
+        """Decode rows (input tokens `tokens`) through the C++ operator, in one call for all
+        of the rank's runs, or for all of its held heads, each shared KV head over the rows of
+        the rank's part (`kv_parts`)."""
+        if self.kv_parts is not None:
+            return paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                          meta.seq_lens, self.scale, self.k_scales,
+                                          self.v_scales, self.kv_parts, tokens)
         return padded_decode(paged_decode_attention, q, self.k_cache, self.v_cache,
                              meta.block_tables, meta.seq_lens, self.scale, self.k_scales,
                              self.v_scales, padded=self.decode_padded, kept=self.decode_kept)
+
+    def _own(self, q: torch.Tensor) -> torch.Tensor:
+        """[T, held heads, D] -> the rank's own heads (those `runs` cover)."""
+        return q if self.kv_parts is None else q.narrow(1, self.own_offset, self.own_heads)
+
+    def _held(self, out: torch.Tensor) -> torch.Tensor:
+        """[T, own heads, D] -> [T, held heads, D]: zeros for the heads other ranks attend."""
+        if self.kv_parts is None:
+            return out
+        after = self.num_heads - self.own_offset - self.own_heads
+        return torch.nn.functional.pad(out, (0, 0, self.own_offset, after))
 
     def _by_runs(self, kernel: Callable[..., torch.Tensor], q: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor, *args: object) -> torch.Tensor:

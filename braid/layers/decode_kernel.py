@@ -76,13 +76,22 @@ def shape_fits(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            k_scales: torch.Tensor | None = None,
-                           v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scales: torch.Tensor | None = None,
+                           kv_parts: torch.Tensor | None = None,
+                           row_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D]; caches: [blocks, block_size, Hk, D] in `kv_layout`'s tokens-innermost
     layout or (int8 or bf16) its pair layout, of q's dtype, or int8 with their [blocks,
     block_size, Hk] float32 scales (laid out as the keys' tokens); block_tables: [B, W] int64;
-    seq_lens: [B] int64 keys per sequence -> [B, Hq, D]."""
+    seq_lens: [B] int64 keys per sequence -> [B, Hq, D].
+
+    `kv_parts` ([Hk, 2] int64, `HeadShard.kv_parts`): per KV head, this rank's part of the
+    rows and their number of parts, with `row_tokens` ([B] int64), each row's input token; a
+    KV head split in parts is attended only over the rows whose part, a hash of the row's
+    length and token, is this rank's; its other rows' outputs are zeros (see `RowShares` in
+    the C++ source)."""
     return torch.ops.braid.paged_decode_attention(q, k_cache, v_cache, k_scales, v_scales,
-                                                  block_tables, seq_lens, scale)
+                                                  block_tables, seq_lens, scale, kv_parts,
+                                                  row_tokens)
 
 
 def few_rows_serve(dtype: torch.dtype) -> bool:

@@ -160,12 +160,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused Q, K and V projections; this rank's heads are given by a `HeadShard`."""
+    """Fused Q, K and V projections; this rank's heads are given by a `HeadShard` (the queries
+    of its `held` heads)."""
 
     def __init__(self, hidden_size: int, head_dim: int, heads: HeadShard, comm: Communicator, *,
                  bias: bool = False, dtype: torch.dtype = torch.float32) -> None:
         ranges = [
-            (heads.q_start * head_dim, heads.q_count * head_dim),
+            (heads.held[0] * head_dim, heads.held[1] * head_dim),
             (heads.kv_start * head_dim, heads.kv_count * head_dim),
             (heads.kv_start * head_dim, heads.kv_count * head_dim),
         ]

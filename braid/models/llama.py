@@ -48,17 +48,19 @@ class LlamaAttention(nn.Module):
         super().__init__()
         heads = partition_heads(config.num_heads, config.num_kv_heads, comm.world_size)[comm.rank]
         d = config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = heads.q_count, heads.kv_count, d
+        held_start, held = heads.held
+        self.num_heads, self.num_kv_heads, self.head_dim = held, heads.kv_count, d
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, heads, comm, bias=qkv_bias,
                                           dtype=dtype)
         self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size, comm,
-                                        in_range=(heads.q_start * d, heads.q_count * d),
+                                        in_range=(held_start * d, held * d),
                                         reduce=False, bias=o_bias, dtype=dtype)
         self.q_norm = head_norm(d) if head_norm else None
         self.k_norm = head_norm(d) if head_norm else None
         self.rotary = rotary
-        self.attn = PagedAttention(heads.q_count, heads.kv_count, d, heads.runs(),
-                                   window=window, scale=scale)
+        self.attn = PagedAttention(held, heads.kv_count, d, heads.runs(), window=window,
+                                   scale=scale, kv_parts=heads.kv_parts,
+                                   own_offset=heads.own_offset)
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -127,8 +129,11 @@ class LlamaForCausalLM(CausalLM):
     def describe_split(cls, config: ModelConfig, tp: int) -> str:
         ranks = []
         for rank, s in enumerate(partition_heads(config.num_heads, config.num_kv_heads, tp)):
+            shared = [str(s.kv_start + j) for j, (_, parts) in enumerate(s.kv_parts) if parts > 1]
+            held = (f"; KV {', '.join(shared)} split over sequences at decode, query heads "
+                    f"{_span(*s.held)} held" if shared else "")
             ranks.append(f"rank {rank}: query heads {_span(s.q_start, s.q_count)} "
-                         f"(KV {_span(s.kv_start, s.kv_count)})")
+                         f"(KV {_span(s.kv_start, s.kv_count)}{held})")
         sizes = lambda total: "/".join(map(str, split_sizes(total, tp)))  # noqa: E731
         return (f"{'; '.join(ranks)}; MLP columns {sizes(config.intermediate_size)}; "
                 f"vocabulary rows {sizes(config.vocab_size)}")
