@@ -244,8 +244,9 @@ class CompileConfig(_Group):
         "int8", "how GEMMs over quantized blocks (GGUF, AWQ/GPTQ, --quantization int4/int8) "
         "take their inputs. int8: rounded to int8 per block and multiplied with the quants in "
         "integers, llama.cpp's arithmetic, where this CPU has the kernel: up to 32 rows "
-        "(decode, small batches) for Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 in bf16 with "
-        "AVX512-VNNI, and at every row count (prefill too) for Q4_0, Q4_1, Q8_0 and Q4_K there "
+        "(decode, small batches) for Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and Q8_0 in bf16 with "
+        "AVX512-VNNI, and at every row count (prefill too) for Q4_0, Q4_1, Q8_0, Q4_K and Q5_K "
+        "there "
         "unless the CPU has AMX; Q4_K, Q6_K and Q8_0 up to 32 rows in fp32 on AVX2-only CPUs; "
         "float: the decoded weights times the inputs in --dtype, the product over the "
         "dequantized weight", choices=("int8", "float"))

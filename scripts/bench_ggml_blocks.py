@@ -1,6 +1,6 @@
 """One GEMM over a GGUF format's blocks (`torch.ops.braid.ggml_linear`) against a dense
 weight of the same shape (the few-row kernel where it serves the dtype, else ATen's GEMM):
-milliseconds a call and weights a second; Q4_0, Q4_1, Q8_0, Q4_K and Q6_K also interleaved 16
+milliseconds a call and weights a second; Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K also interleaved 16
 rows to a group (`ggml_weight.interleave_rows`) where the int8 kernel serves them, their int8
 inputs at any row count.
 
@@ -23,14 +23,12 @@ from braid.layers import decode_kernel
 from braid.layers.ggml_weight import (
     ALL_ROWS,
     FEW_ROWS,
+    INTERLEAVED_TYPES,
     X16,
     X16_ROWS,
     interleave_rows,
     rounds_inputs,
 )
-
-# Q4_0, Q4_1, Q8_0, Q4_K, Q6_K: interleaved 16 rows to a group where the kernel serves
-INTERLEAVED = {2, 3, 8, 12, 14}
 
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_K"]
 # Where each format keeps its fp16 scale (and minimum) in a block
@@ -86,7 +84,7 @@ def main() -> None:
         print(f"{name}: {ms:.2f} ms ({weights / ms / 1e6:.1f} G weights/s), "
               f"{blocks.numel() / weights:.2f} bytes a weight")
         interleaved = X16 + int(kind)
-        if (round_inputs and int(kind) in INTERLEAVED and args.rows % X16_ROWS == 0
+        if (round_inputs and int(kind) in INTERLEAVED_TYPES and args.rows % X16_ROWS == 0
                 and rounds_inputs(interleaved, dtype, args.columns)):
             groups = interleave_rows(blocks, int(kind))
             ms = milliseconds(lambda g=groups, k=interleaved: torch.ops.braid.ggml_linear(

@@ -82,7 +82,7 @@ def int8_input_product(x: torch.Tensor, weight: torch.Tensor, block: int) -> tor
 
 
 # Inputs sharing one int8 scale, as llama.cpp rounds them for each format
-INPUT_BLOCK = {Q.Q4_K: 256, Q.Q6_K: 256, Q.Q8_0: 32}
+INPUT_BLOCK = {Q.Q4_K: 256, Q.Q5_K: 256, Q.Q6_K: 256, Q.Q8_0: 32}
 
 
 def int8_rows(round_inputs: bool) -> int:
@@ -166,9 +166,10 @@ def test_a_few_rows_over_blocks_do_not_depend_on_the_row_count(kind, dtype, roun
 
 @pytest.mark.skipif(not native.load() or not rounds_inputs(X16 + int(Q.Q8_0), torch.bfloat16, 512),
                     reason="no interleaved kernel on this CPU")
-@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda k: k.name)
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K],
+                         ids=lambda k: k.name)
 def test_interleaved_blocks_decode_and_multiply_as_the_blocks(kind):
-    """Q4_0, Q4_1, Q8_0, Q4_K and Q6_K interleaved 16 rows to a group (`interleave_rows`, made
+    """Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K interleaved 16 rows to a group (`interleave_rows`, made
     at load where the bf16 int8 kernel serves them) decode and look rows up as the blocks they came
     from; up to the rows that round their inputs (FEW_ROWS, or any number: CPUs without AMX)
     their products are those of the int8-rounded inputs (each row's bits those it has alone,

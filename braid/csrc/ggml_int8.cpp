@@ -6,7 +6,7 @@
 // sums, the fp16 factors once per block. Decoding floats for `vdpbf16ps` (ggml_blocks.cpp)
 // spends two to three times the instructions a weight, and was bound by them, not by memory.
 // Weights whose rows are a multiple of 16 come interleaved 16 rows to a group (Q4_0, Q4_1,
-// Q8_0, Q4_K, Q6_K: ggml_format.h), and their kernels (`x16_*`) also take prefill's many rows
+// Q8_0, Q4_K, Q5_K, Q6_K: ggml_format.h), and their kernels (`x16_*`) also take prefill's many rows
 // where the caller asks (`int8_rows`).
 //
 // A row's result depends on that row alone, summed in one order whatever the row count, so
@@ -308,10 +308,10 @@ void rows_times_inputs(int64_t type, const uint8_t* row, int64_t row_bytes, int6
 }
 
 // Input rows rounded for the interleaved formats, per 32 inputs (llama.cpp's Q8_0 and Q8_1
-// inputs, for Q4_0, Q4_1 and Q8_0) or per 256 (its Q8_K, for Q4_K and Q6_K): quants in
+// inputs, for Q4_0, Q4_1 and Q8_0) or per 256 (its Q8_K, for the K-quants): quants in
 // natural order, each rounding block's scale, and the quants' sum per `span` (32, or Q6_K's
 // sub-blocks of 16: for Q8_0's offset of 128, Q4_0's of 8, Q6_K's of 32 and the minimums of
-// Q4_1 and Q4_K).
+// Q4_1, Q4_K and Q5_K).
 struct BlockInput {
   int64_t K, blocks;  // blocks: spans of inputs, each with its sum
   std::vector<int8_t> q;
@@ -439,20 +439,24 @@ inline __m512i byte_of(__m512i words, int b) {
   return _mm512_and_si512(_mm512_srli_epi32(words, 8 * b), _mm512_set1_epi32(0xff));
 }
 
-// One group of interleaved Q4_K (16 weight rows) times input rows [m, m + MR), as x16_group:
-// per super-block of 256 columns, each sub-block j of 32 gets its integer sums from 8
-// `vpdpbusd` (16 rows by 4 inputs each), times the 16 rows' 6-bit scale_j in integers; the
+// One group of interleaved Q4_K or Q5_K (16 weight rows) times input rows [m, m + MR), as
+// x16_group: per super-block of 256 columns, each sub-block j of 32 gets its integer sums from
+// 8 `vpdpbusd` (16 rows by 4 inputs each), times the 16 rows' 6-bit scale_j in integers; the
 // minimums' term is min_j times the inputs' sum over sub-block j, also in integers; then
 // d (and dmin) times the inputs' scale apply once a super-block, llama.cpp's Q4_K x Q8_K
 // arithmetic. The 16 rows' packed scales unpack as get_scale_min_k4 does, for all rows at once.
-template <int MR>
+// Q5_K (FIFTH_BIT) is Q4_K with a fifth bit a quant: its 8 vectors of qh bytes come before the
+// nibbles, byte t of vector v holding bit j of the quants of sub-block j's column 4 v + t.
+template <int MR, bool FIFTH_BIT>
 void x16_q4_k_group(const uint8_t* group, const BlockInput& in, int64_t m, __m512 out[MR]) {
-  constexpr int64_t QUANT_BYTES = 128 * X16_ROWS;
+  constexpr int64_t HIGH_BYTES = FIFTH_BIT ? 32 * X16_ROWS : 0;  // Q5_K's qh vectors
+  constexpr int64_t QUANT_BYTES = HIGH_BYTES + 128 * X16_ROWS;
   const int64_t blocks = in.K / 256, K = in.K;
   const uint8_t* factors = group + blocks * QUANT_BYTES;
   const uint8_t* scale_words = factors + 2 * 32 * blocks;
   const __m512i nibble = _mm512_set1_epi8(15), six_bits = _mm512_set1_epi8(0x3f);
   const __m512i low_four = _mm512_set1_epi8(0x0f), top_two = _mm512_set1_epi8(0x30);
+  const __m512i bit_four = _mm512_set1_epi8(0x10);
   const int64_t group_bytes = blocks * (QUANT_BYTES + 2 * 32 + 192);
   for (int i = 0; i < MR; ++i) out[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -469,7 +473,8 @@ void x16_q4_k_group(const uint8_t* group, const BlockInput& in, int64_t m, __m51
         _mm512_and_si512(w1, six_bits),
         _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), low_four),
                         _mm512_and_si512(_mm512_srli_epi32(w1, 2), top_two))};
-    const uint8_t* quants = group + QUANT_BYTES * b;
+    const uint8_t* high_bits = group + QUANT_BYTES * b;
+    const uint8_t* quants = high_bits + HIGH_BYTES;
     const int8_t* x = in.q.data() + m * K + 256 * b;
     __m512i sum[MR], minimums[MR];
     for (int i = 0; i < MR; ++i) sum[i] = minimums[i] = _mm512_setzero_si512();
@@ -479,7 +484,12 @@ void x16_q4_k_group(const uint8_t* group, const BlockInput& in, int64_t m, __m51
       for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
       for (int v = 0; v < 8; ++v) {
         const __m512i both = _mm512_loadu_si512(quants + 64 * (8 * pair + v));
-        const __m512i q = _mm512_and_si512(_mm512_srli_epi16(both, shift), nibble);
+        __m512i q = _mm512_and_si512(_mm512_srli_epi16(both, shift), nibble);
+        if constexpr (FIFTH_BIT) {  // bit j of the qh bytes to bit 4, or'ed in: q | (h & 16)
+          const __m512i h = _mm512_loadu_si512(high_bits + 64 * v);
+          const __m512i moved = j < 4 ? _mm512_slli_epi16(h, 4 - j) : _mm512_srli_epi16(h, j - 4);
+          q = _mm512_ternarylogic_epi32(q, moved, bit_four, 0xF8);
+        }
         for (int i = 0; i < MR; ++i)
           dot[i] = _mm512_dpbusd_epi32(dot[i], q, broadcast_four(x + i * K + 32 * j + 4 * v));
       }
@@ -603,7 +613,7 @@ at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& groups) {
   constexpr int64_t M_TILE = 64;
   const int64_t M = x.size(0), G = groups.size(0), N = G * X16_ROWS, K = x.size(1);
   const at::Tensor xc = x.contiguous();
-  const bool k_quant = BASE == Q4_K || BASE == Q6_K;
+  const bool k_quant = BASE == Q4_K || BASE == Q5_K || BASE == Q6_K;
   const BlockInput in(xc.data_ptr<T>(), M, K, k_quant ? BLOCK : 32, BASE == Q6_K ? 16 : 32);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* gp = groups.data_ptr<uint8_t>();
@@ -618,7 +628,8 @@ at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& groups) {
           __m512 out[MR];
           const auto pass = [&](auto rows) {
             constexpr int R = decltype(rows)::value;
-            if constexpr (BASE == Q4_K) x16_q4_k_group<R>(group, in, m, out);
+            if constexpr (BASE == Q4_K || BASE == Q5_K)
+              x16_q4_k_group<R, BASE == Q5_K>(group, in, m, out);
             else if constexpr (BASE == Q6_K) x16_q6_k_group<R>(group, in, m, out);
             else x16_group<BASE, R>(group, in, m, out);
             for (int i = 0; i < R; ++i) store_bf16(yp + (m + i) * N + g * X16_ROWS, out[i]);
@@ -672,7 +683,7 @@ bool int8_dot_serves(int64_t type, at::ScalarType dtype, int64_t K) {
   // bf16 runs only: an fp32 run asks for products as exact as fp32's, not for llama.cpp's
   if (dtype != at::kBFloat16) return false;
   return ((type == Q4_K || type == Q6_K) && K % BLOCK == 0) || (type == Q8_0 && K % PAIR == 0)
-         || (is_x16(type) && K % (type == X16 + Q4_K || type == X16 + Q6_K ? BLOCK : 32) == 0);
+         || (is_x16(type) && K % (type - X16 >= Q4_K ? BLOCK : 32) == 0);
 #elif defined(BRAID_GGML_AVX2)
   // fp32, the dtype these CPUs compute natively (bf16 runs there dequantize at load)
   return dtype == at::kFloat && avx2_int8_serves(type, K);
@@ -691,6 +702,7 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_
     case X16 + Q4_1: return x16_linear<Q4_1, at::BFloat16>(x, blocks);
     case X16 + Q8_0: return x16_linear<Q8_0, at::BFloat16>(x, blocks);
     case X16 + Q4_K: return x16_linear<Q4_K, at::BFloat16>(x, blocks);
+    case X16 + Q5_K: return x16_linear<Q5_K, at::BFloat16>(x, blocks);
     case X16 + Q6_K: return x16_linear<Q6_K, at::BFloat16>(x, blocks);
   }
   return linear<at::BFloat16>(x, blocks, type);
