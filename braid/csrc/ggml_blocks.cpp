@@ -502,8 +502,15 @@ void rows_in_registers(int64_t type, const typename D::T* x, const uint8_t* bloc
   }
 }
 
-// x [M, K] @ W^T for M <= FEW_ROWS: four weight rows a task, decoded in registers for up to
-// MAX_GROUP input rows (formats with a vector decoder), else into a tile.
+// Input rows up to which fp32 GEMMs decode each weight row in registers once for every
+// MAX_GROUP of them, rather than once into a tile for all: fp32's tile micro-kernel loses to
+// the repeated decoding up to 16 rows (a speculative verification's; the K-quants lose from
+// 32 on), bf16's wins from 5 rows on (docs/kernel-choices.md).
+constexpr int64_t FP32_REGISTER_ROWS = 16;
+
+// x [M, K] @ W^T for M <= FEW_ROWS: four weight rows a task, decoded in registers (formats
+// with a vector decoder: up to MAX_GROUP input rows, or FP32_REGISTER_ROWS in passes of
+// MAX_GROUP), else into a tile.
 template <typename D>
 at::Tensor few_rows_over(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
   constexpr int64_t NR = 4;  // weight rows a decoded tile holds
@@ -513,16 +520,23 @@ at::Tensor few_rows_over(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   const auto* xp = xc.data_ptr<typename D::T>();
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   auto* yp = y.data_ptr<typename D::T>();
-  const bool in_registers = M <= MAX_GROUP && simd::decodes(type);
+  const int64_t register_rows =
+      std::is_same_v<typename D::T, float> ? FP32_REGISTER_ROWS : int64_t(MAX_GROUP);
+  const bool in_registers = M <= register_rows && simd::decodes(type);
   at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
     if (in_registers) {
-      switch (M) {
-        case 1: return rows_in_registers<D, 1>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
-        case 2: return rows_in_registers<D, 2>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
-        case 3: return rows_in_registers<D, 3>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
-        default: return rows_in_registers<D, 4>(type, xp, bp, row_bytes, yp, N, K, n0, n1);
+      for (int64_t m = 0; m < M; m += MAX_GROUP) {
+        const auto* xm = xp + m * K;
+        auto* ym = yp + m * N;
+        switch (std::min<int64_t>(M - m, MAX_GROUP)) {
+          case 1: rows_in_registers<D, 1>(type, xm, bp, row_bytes, ym, N, K, n0, n1); break;
+          case 2: rows_in_registers<D, 2>(type, xm, bp, row_bytes, ym, N, K, n0, n1); break;
+          case 3: rows_in_registers<D, 3>(type, xm, bp, row_bytes, ym, N, K, n0, n1); break;
+          default: rows_in_registers<D, 4>(type, xm, bp, row_bytes, ym, N, K, n0, n1); break;
+        }
       }
+      return;
     }
     std::vector<typename D::T> tile_rows(NR * K);
     std::vector<float> scratch(K);
