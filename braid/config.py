@@ -233,8 +233,8 @@ class CompileConfig(_Group):
         "at start; off: eager. Eager steps of 128+ tokens fuse their elementwise work unless "
         "off", flag="--compile", key="compile", choices=("auto", "on", "off"))
     quantization: str = setting(
-        "auto", "auto: a GGUF file's quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, "
-        "Q6_K) stay in their blocks on CPU, computed from as they are (no dequantized copy), "
+        "auto", "auto: a GGUF file's quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, "
+        "Q5_K, Q6_K) stay in their blocks on CPU, computed from as they are (no dequantized copy), "
         "and so do an AWQ or GPTQ checkpoint's, as the same blocks; "
         "none: every weight dequantized to --dtype at load; int8: the linear weights rounded "
         "at load into llama.cpp's Q8_0 blocks, int4: into its Q4_K blocks (Q4_1 where a rank's "
@@ -245,9 +245,9 @@ class CompileConfig(_Group):
         "take their inputs. int8: rounded to int8 per block and multiplied with the quants in "
         "integers, llama.cpp's arithmetic, where this CPU has the kernel: up to 32 rows "
         "(decode, small batches) for Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and Q8_0 in bf16 with "
-        "AVX512-VNNI, and at every row count (prefill too) for Q4_0, Q4_1, Q8_0, Q4_K and Q5_K "
-        "there "
-        "unless the CPU has AMX; Q4_K, Q6_K and Q8_0 up to 32 rows in fp32 on AVX2-only CPUs; "
+        "AVX512-VNNI (and Q5_0 and Q5_1 with AVX512-VBMI too), and at every row count (prefill "
+        "too) for all of them but Q6_K there unless the CPU has AMX; Q4_K, Q6_K and Q8_0 up to "
+        "32 rows in fp32 on AVX2-only CPUs; "
         "float: the decoded weights times the inputs in --dtype, the product over the "
         "dequantized weight", choices=("int8", "float"))
     weight_packing: str = setting(

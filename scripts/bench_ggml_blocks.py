@@ -1,8 +1,8 @@
 """One GEMM over a GGUF format's blocks (`torch.ops.braid.ggml_linear`) against a dense
 weight of the same shape (the few-row kernel where it serves the dtype, else ATen's GEMM):
-milliseconds a call and weights a second; Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K also interleaved 16
-rows to a group (`ggml_weight.interleave_rows`) where the int8 kernel serves them, their int8
-inputs at any row count.
+milliseconds a call and weights a second; every format also interleaved 16 rows to a group
+(`ggml_weight.interleave_rows`) where the int8 kernel serves it, its int8 inputs at any row
+count.
 
     python scripts/bench_ggml_blocks.py --rows 8192 --columns 2048 --threads 1 --inputs 1
     python scripts/bench_ggml_blocks.py --dtype fp32 --block-inputs float  # AVX2 hosts
@@ -30,10 +30,10 @@ from braid.layers.ggml_weight import (
     rounds_inputs,
 )
 
-FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_K"]
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "Q5_K"]
 # Where each format keeps its fp16 scale (and minimum) in a block
-_HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-           "Q6_K": (208,)}
+_HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_blocks(name: str, rows: int, columns: int) -> torch.Tensor:

@@ -39,9 +39,9 @@ from braid.loader.weights import LazyWeight
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="braid's C++ operators are not built")
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # Where each format keeps its fp16 scale (and minimum) in a block
-_HALVES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q8_0: (0,), Q.Q4_K: (0, 2),
+_HALVES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2),
            Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
@@ -166,20 +166,22 @@ def test_a_few_rows_over_blocks_do_not_depend_on_the_row_count(kind, dtype, roun
 
 @pytest.mark.skipif(not native.load() or not rounds_inputs(X16 + int(Q.Q8_0), torch.bfloat16, 512),
                     reason="no interleaved kernel on this CPU")
-@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K],
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K],
                          ids=lambda k: k.name)
 def test_interleaved_blocks_decode_and_multiply_as_the_blocks(kind):
-    """Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K interleaved 16 rows to a group (`interleave_rows`, made
-    at load where the bf16 int8 kernel serves them) decode and look rows up as the blocks they came
-    from; up to the rows that round their inputs (FEW_ROWS, or any number: CPUs without AMX)
-    their products are those of the int8-rounded inputs (each row's bits those it has alone,
-    across the kernel's tiles of 64 rows too), within the bounds of the tests above, and beyond
-    them the blocks' own bits (the groups decoded back into blocks)."""
+    """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K interleaved 16 rows to a group
+    (`interleave_rows`, made at load where the bf16 int8 kernel serves them) decode and look rows up
+    as the blocks they came from; up to the rows that round their inputs (FEW_ROWS, or any number:
+    CPUs without AMX) their products are those of the int8-rounded inputs (each row's bits those it
+    has alone, across the kernel's tiles of 64 rows too), within the bounds of the tests above, and
+    beyond them the blocks' own bits (the groups decoded back into blocks)."""
     rows, columns = 96, 512
+    interleaved = X16 + int(kind)
+    if not rounds_inputs(interleaved, torch.bfloat16, columns):
+        pytest.skip(f"no interleaved {kind.name} kernel on this CPU (Q5_0 and Q5_1 need VBMI)")
     blocks = random_blocks(kind, rows, columns, seed=3)
     weight = dequantized(blocks, kind, columns)
     groups = interleave_rows(torch.from_numpy(blocks), int(kind))
-    interleaved = X16 + int(kind)
     assert groups.shape == (rows // 16, blocks.shape[1] * 16)
     for dtype in (torch.float32, torch.bfloat16):
         got = torch.ops.braid.ggml_dequantize(groups, interleaved, columns, dtype)

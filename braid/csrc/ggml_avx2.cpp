@@ -1,5 +1,5 @@
 // GGML blocks on CPUs with AVX2 and FMA but no AVX-512 (ggml_blocks.cpp's vector decoders need
-// AVX-512): every format braid keeps (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) decoded eight
+// AVX-512): every format braid keeps (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) decoded eight
 // weights at a time into one fp32 vector, with the same operations in the same order as the
 // `gguf` package's `dequantize`, so the same values. fp32 GEMMs of up to four rows multiply
 // each decoded vector in registers, so memory carries the blocks' bytes only; up to `few_rows`
@@ -50,19 +50,23 @@ void q4_1(const uint8_t* b, Emit& emit) {  // q d + m
   emit(16, value(high_nibbles(q[0])), value(high_nibbles(q[1])));
 }
 
-template <typename Emit>
-void q5_0(const uint8_t* b, Emit& emit) {  // fifth bit j of weight j in a 32-bit word: (q - 16) d
+// Fifth bit j of weight j in a 32-bit word: Q5_0 (q - 16) d, Q5_1 (MINIMUM) q d + m
+template <bool MINIMUM, typename Emit>
+void q5(const uint8_t* b, Emit& emit) {
   const __m256 d = _mm256_set1_ps(half_at(b));
+  const __m256 m = _mm256_set1_ps(MINIMUM ? half_at(b + 2) : 0.f);
+  const uint8_t* rest = b + (MINIMUM ? 4 : 2);
   uint32_t qh;
-  std::memcpy(&qh, b + 2, sizeof qh);
+  std::memcpy(&qh, rest, sizeof qh);
   const __m256i sixteen = _mm256_set1_epi32(16), one = _mm256_set1_epi32(1);
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i q[2] = {bytes8(b + 6), bytes8(b + 14)};
+  const __m256i q[2] = {bytes8(rest + 4), bytes8(rest + 12)};
   const auto value = [&](__m256i low, int k) {  // weights k..k+7
     const __m256i shifts = _mm256_add_epi32(lanes, _mm256_set1_epi32(k));
     const __m256i bits = _mm256_srlv_epi32(_mm256_set1_epi32(int(qh)), shifts);
     const __m256i fifth = _mm256_and_si256(bits, one);
     const __m256i v = _mm256_or_si256(low, _mm256_slli_epi32(fifth, 4));
+    if constexpr (MINIMUM) return _mm256_add_ps(_mm256_mul_ps(d, as_float(v)), m);
     return _mm256_mul_ps(d, as_float(_mm256_sub_epi32(v, sixteen)));
   };
   emit(0, value(low_nibbles(q[0]), 0), value(low_nibbles(q[1]), 8));
@@ -146,7 +150,8 @@ void decode_row_with(int64_t type, const uint8_t* row, int64_t K, Emit& emit) {
   switch (type) {
     case Q4_0: return blocks([](const uint8_t* b, auto& e) { q4_0(b, e); });
     case Q4_1: return blocks([](const uint8_t* b, auto& e) { q4_1(b, e); });
-    case Q5_0: return blocks([](const uint8_t* b, auto& e) { q5_0(b, e); });
+    case Q5_0: return blocks([](const uint8_t* b, auto& e) { q5<false>(b, e); });
+    case Q5_1: return blocks([](const uint8_t* b, auto& e) { q5<true>(b, e); });
     case Q8_0: return blocks([](const uint8_t* b, auto& e) { q8_0(b, e); });
     case Q4_K: return blocks([](const uint8_t* b, auto& e) { k_quant<false>(b, e); });
     case Q5_K: return blocks([](const uint8_t* b, auto& e) { k_quant<true>(b, e); });

@@ -52,14 +52,18 @@ void decode_q4_1(const uint8_t* b, float* out) {  // scale d, minimum m: q d + m
   }
 }
 
-void decode_q5_0(const uint8_t* b, float* out) {  // the fifth bits in a 32-bit word: (q - 16) d
-  const float d = half_at(b);
+// The fifth bits in a 32-bit word: Q5_0 (q - 16) d, Q5_1 (MINIMUM) q d + m
+template <bool MINIMUM>
+void decode_q5(const uint8_t* b, float* out) {
+  const float d = half_at(b), m = MINIMUM ? half_at(b + 2) : 0.f;
+  const uint8_t* rest = b + (MINIMUM ? 4 : 2);
   uint32_t qh;
-  std::memcpy(&qh, b + 2, sizeof qh);
-  const uint8_t* qs = b + 6;
+  std::memcpy(&qh, rest, sizeof qh);
+  const uint8_t* qs = rest + 4;
+  const auto value = [&](int q) { return MINIMUM ? d * float(q) + m : d * float(q - 16); };
   for (int j = 0; j < 16; ++j) {
-    out[j] = d * float(int((qs[j] & 15) | (((qh >> j) & 1) << 4)) - 16);
-    out[j + 16] = d * float(int((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    out[j] = value((qs[j] & 15) | (((qh >> j) & 1) << 4));
+    out[j + 16] = value((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
   }
 }
 
@@ -137,7 +141,8 @@ void decode_row(int64_t type, const uint8_t* row, float* out, int64_t K) {
   switch (type) {
     case Q4_0: return decode_blocks<decode_q4_0>(row, out, blocks, f);
     case Q4_1: return decode_blocks<decode_q4_1>(row, out, blocks, f);
-    case Q5_0: return decode_blocks<decode_q5_0>(row, out, blocks, f);
+    case Q5_0: return decode_blocks<decode_q5<false>>(row, out, blocks, f);
+    case Q5_1: return decode_blocks<decode_q5<true>>(row, out, blocks, f);
     case Q8_0: return decode_blocks<decode_q8_0>(row, out, blocks, f);
     case Q4_K: return decode_blocks<decode_k<false>>(row, out, blocks, f);
     case Q5_K: return decode_blocks<decode_k<true>>(row, out, blocks, f);
@@ -357,7 +362,7 @@ int64_t weight_rows(const at::Tensor& blocks, int64_t type) {
 // made from (`ggml_weight.interleave_rows` undone; `out` holds 16 rows of `row_bytes`): per
 // block, lane r of its quant vectors j are row r's bytes 4 j to 4 j + 3, a transpose of
 // 4 x 16 words at a time (each 128-bit lane of the result: one row); the K-quants' scale
-// words likewise, a word at a time.
+// words, and the last word of the 5-bit formats' 20 quant bytes, a word at a time.
 void ungroup(const uint8_t* group, int64_t base, int64_t blocks, uint8_t* out,
              int64_t row_bytes) {
   const Format f = format_of(base);
@@ -397,6 +402,11 @@ void ungroup(const uint8_t* group, int64_t base, int64_t blocks, uint8_t* out,
           std::memcpy(quants + (4 * i + k) * row_bytes, lanes + 16 * i, 16);
       }
     }
+    // (The 5-bit formats' 20 bytes: a last word of each row, which no format flips)
+    for (int64_t w = quant_bytes / 16 * 4; w < quant_bytes / 4; ++w)
+      for (int64_t r = 0; r < X16_ROWS; ++r)
+        std::memcpy(first + r * row_bytes + layout.quants_at + 4 * w,
+                    vectors + (w * X16_ROWS + r) * 4, 4);
   }
 }
 

@@ -16,28 +16,31 @@
 namespace braid_ggml {
 
 // GGML's type numbers (ggml.h, `gguf.GGMLQuantizationType`) of the formats read here
-enum GgmlType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum GgmlType : int64_t {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14
+};
 
-// braid's own forms of Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K (no GGUF file holds them;
-// `ggml_weight.interleave_rows` makes them at load where `int8_dot_serves` them), numbered
+// braid's own forms of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (no GGUF file holds
+// them; `ggml_weight.interleave_rows` makes them at load where `int8_dot_serves` them), numbered
 // X16 + the GGML type: 16 weight rows to a group, and per block the group's quants as vectors
 // of 64 bytes, vector v holding bytes 4 v to 4 v + 3 of each of the 16 rows' quants (lane r:
 // row r), so that one `vpdpbusd` multiplies 16 rows by 4 inputs. Q8_0: 8 vectors, byte t of
 // vector j row r's quant 4 j + t plus 128 (unsigned); Q4_0 and Q4_1: 4 vectors, byte t of
 // vector j row r's quants 4 j + t (low nibble) and 16 + 4 j + t (high), as its block's byte
-// 4 j + t holds them; Q4_K: 32 vectors, vector 8 p + j the quants of columns 64 p + 4 j + t
+// 4 j + t holds them; Q5_0 and Q5_1: the same 4 after a vector of their qh words (lane r: row
+// r's 32 fifth bits); Q4_K: 32 vectors, vector 8 p + j the quants of columns 64 p + 4 j + t
 // (low nibbles) and 64 p + 32 + 4 j + t (high); Q5_K: 40, its qh bytes (8 vectors, vector j
 // the fifth bits of columns 4 j + t of every sub-block) then its nibbles as Q4_K's; Q6_K: 48,
 // its ql bytes (32 vectors) then its qh bytes (16). The group's fp16 factors follow all its
-// blocks' quants, 16 a block (its scales d, then Q4_1's minimums or the K-quants' dmin), then
-// the K-quants' sub-block scales, as vectors of 4-byte words too (Q4_K's and Q5_K's 12 packed
-// bytes: 3 vectors; Q6_K's 16 int8: 4).
+// blocks' quants, 16 a block (its scales d, then Q4_1's and Q5_1's minimums or the K-quants'
+// dmin), then the K-quants' sub-block scales, as vectors of 4-byte words too (Q4_K's and
+// Q5_K's 12 packed bytes: 3 vectors; Q6_K's 16 int8: 4).
 // A tensor of a format is [rows / 16, 16 x the row's bytes]: the blocks' bytes.
 constexpr int64_t X16 = 1000;
 constexpr int64_t X16_ROWS = 16;
 inline bool is_x16(int64_t type) {
-  return type == X16 + Q4_0 || type == X16 + Q4_1 || type == X16 + Q8_0 || type == X16 + Q4_K ||
-         type == X16 + Q5_K || type == X16 + Q6_K;
+  return type == X16 + Q4_0 || type == X16 + Q4_1 || type == X16 + Q5_0 || type == X16 + Q5_1 ||
+         type == X16 + Q8_0 || type == X16 + Q4_K || type == X16 + Q5_K || type == X16 + Q6_K;
 }
 // An interleaved base format's block: its fp16 factors, `scale_bytes` of sub-block scales and
 // its quants, where in the block each starts
@@ -49,6 +52,8 @@ inline X16Layout x16_layout(int64_t base) {
   switch (base) {
     case Q4_0: return {1, 0, 16, 0, 2, 2};
     case Q4_1: return {2, 0, 16, 0, 4, 4};
+    case Q5_0: return {1, 0, 20, 0, 2, 2};  // qh, then qs: the quants
+    case Q5_1: return {2, 0, 20, 0, 4, 4};
     case Q8_0: return {1, 0, 32, 0, 2, 2};
     case Q4_K: return {2, 12, 128, 0, 4, 16};
     case Q5_K: return {2, 12, 160, 0, 4, 16};  // qh, then qs: the quants
@@ -67,6 +72,7 @@ inline Format format_of(int64_t type) {
     case Q4_0: return {32, 18};
     case Q4_1: return {32, 20};
     case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
     case Q8_0: return {32, 34};
     case Q4_K: return {256, 144};
     case Q5_K: return {256, 176};

@@ -1,18 +1,20 @@
-// GEMMs of a few rows (decode, small batches, speculative verification) over Q4_K, Q6_K and
-// Q8_0 blocks through int8 dot products (AVX512-VNNI), as llama.cpp computes them: each input
-// row is rounded to int8 per 256 elements for the K-quants (like its Q8_K) and per 32 for Q8_0
-// (its Q8_0), and a weight row's quants meet the input's in `vpdpbusd` (64 unsigned quants times
-// 64 signed inputs a vector) without becoming floats; sub-block scales apply to the integer
+// GEMMs of a few rows (decode, small batches, speculative verification) over GGUF blocks
+// through int8 dot products (AVX512-VNNI), as llama.cpp computes them: each input row is
+// rounded to int8 per 256 elements for the K-quants (like its Q8_K) and per 32 for the others
+// (its Q8_0), and a weight row's quants meet the input's in `vpdpbusd` (64 unsigned quants
+// times 64 signed inputs a vector) without becoming floats; sub-block scales apply to the integer
 // sums, the fp16 factors once per block. Decoding floats for `vdpbf16ps` (ggml_blocks.cpp)
 // spends two to three times the instructions a weight, and was bound by them, not by memory.
 // Weights whose rows are a multiple of 16 come interleaved 16 rows to a group (Q4_0, Q4_1,
-// Q8_0, Q4_K, Q5_K, Q6_K: ggml_format.h), and their kernels (`x16_*`) also take prefill's many rows
-// where the caller asks (`int8_rows`).
+// Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: ggml_format.h), and their kernels (`x16_*`) also take
+// prefill's many rows where the caller asks (`int8_rows`); the others go row by row (Q4_K,
+// Q6_K and Q8_0).
 //
 // A row's result depends on that row alone, summed in one order whatever the row count, so
 // decode is row-count invariant up to the few-row GEMMs' 32 rows, or at every row count where
-// the groups take them (a request's tokens do not depend on its batch); it differs from the product over the dequantized weight by the input's
-// rounding to int8 (at most half a step of 1/127 of each block's largest input).
+// the groups take them (a request's tokens do not depend on its batch); it differs from the
+// product over the dequantized weight by the input's rounding to int8 (at most half a step of
+// 1/127 of each block's largest input).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -367,6 +369,17 @@ struct PrefetchAhead {
   }
 };
 
+#if defined(__AVX512VBMI__)
+// `vpmultishiftqb` offsets that bring bit `first + t` of each 32-bit half of a qword to bit 4
+// of its byte t (t = 0..3): a qword holds two rows' qh words, whose bits it rotates.
+inline __m512i fifth_bits(int first) {
+  int64_t offsets = 0;
+  for (int t = 0; t < 8; ++t)
+    offsets |= int64_t((first + t % 4 + 32 * (t / 4) - 4) & 63) << (8 * t);
+  return _mm512_set1_epi64(offsets);
+}
+#endif
+
 // One group (16 weight rows) of an interleaved format BASE times input rows [m, m + MR):
 // out[i] holds the 16 rows' products with input m + i, lane r for row r. A block's integer
 // sums start from its offset (Q8_0's quants enter as q + 128, Q4_0's as q + 8: minus that
@@ -376,21 +389,31 @@ struct PrefetchAhead {
 // not depend on the rows beside it.
 template <int64_t BASE, int MR>
 void x16_group(const uint8_t* group, const BlockInput& in, int64_t m, __m512 out[MR]) {
-  constexpr int64_t QUANT_BYTES = (BASE == Q8_0 ? 32 : 16) * X16_ROWS;
+  constexpr bool FIFTH_BIT = BASE == Q5_0 || BASE == Q5_1;  // a qh vector before the nibbles
+  constexpr bool MINIMUM = BASE == Q4_1 || BASE == Q5_1;
+  constexpr int64_t QUANT_BYTES = (BASE == Q8_0 ? 32 : FIFTH_BIT ? 20 : 16) * X16_ROWS;
   const int64_t blocks = in.blocks, K = in.K;
   const uint8_t* scales = group + blocks * QUANT_BYTES;
-  const __m512i nibble = _mm512_set1_epi8(15);
-  const int64_t group_bytes = blocks * (QUANT_BYTES + 32 * (BASE == Q4_1 ? 2 : 1));
+  const __m512i nibble = _mm512_set1_epi8(15), bit_four = _mm512_set1_epi8(0x10);
+  const int64_t group_bytes = blocks * (QUANT_BYTES + 32 * (MINIMUM ? 2 : 1));
+#if defined(__AVX512VBMI__)
+  __m512i fifth_low[4], fifth_high[4];  // vector j's offsets (`fifth_bits`)
+  for (int j = 0; j < 4; ++j) {
+    fifth_low[j] = fifth_bits(4 * j);
+    fifth_high[j] = fifth_bits(16 + 4 * j);
+  }
+#endif
   for (int i = 0; i < MR; ++i) out[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     PrefetchAhead(group, group_bytes, blocks, b).part(0, 1);
     const __m512 d = halves_at(scales + 32 * b);
-    const uint8_t* quants = group + QUANT_BYTES * b;
+    const uint8_t* quants = group + QUANT_BYTES * b + (FIFTH_BIT ? 64 : 0);
     const int8_t* x = in.q.data() + m * K + 32 * b;
     __m512i sum[MR];
     for (int i = 0; i < MR; ++i) {
       const int32_t total = in.sum[(m + i) * blocks + b];
-      sum[i] = _mm512_set1_epi32(BASE == Q8_0 ? -128 * total : BASE == Q4_0 ? -8 * total : 0);
+      const int32_t offset = BASE == Q8_0 ? 128 : BASE == Q4_0 ? 8 : BASE == Q5_0 ? 16 : 0;
+      sum[i] = _mm512_set1_epi32(-offset * total);
     }
     if constexpr (BASE == Q8_0) {
       for (int j = 0; j < 8; ++j) {
@@ -401,8 +424,19 @@ void x16_group(const uint8_t* group, const BlockInput& in, int64_t m, __m512 out
     } else {  // byte t of vector j: quants 4 j + t (low nibble) and 16 + 4 j + t (high)
       for (int j = 0; j < 4; ++j) {
         const __m512i both = _mm512_loadu_si512(quants + 64 * j);
-        const __m512i low = _mm512_and_si512(both, nibble);
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
+        __m512i low = _mm512_and_si512(both, nibble);
+        __m512i high = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
+        if constexpr (FIFTH_BIT) {
+#if defined(__AVX512VBMI__)
+          // Byte t of lane r gets bit 4 j + t (low) or 16 + 4 j + t (high) of row r's qh at
+          // bit 4: each byte of a qword takes the 8 bits from its own offset (rotating)
+          const __m512i qh = _mm512_loadu_si512(quants - 64);
+          low = _mm512_ternarylogic_epi32(
+              low, _mm512_multishift_epi64_epi8(fifth_low[j], qh), bit_four, 0xF8);
+          high = _mm512_ternarylogic_epi32(
+              high, _mm512_multishift_epi64_epi8(fifth_high[j], qh), bit_four, 0xF8);
+#endif
+        }
         for (int i = 0; i < MR; ++i) {
           sum[i] = _mm512_dpbusd_epi32(sum[i], low, broadcast_four(x + i * K + 4 * j));
           sum[i] = _mm512_dpbusd_epi32(sum[i], high, broadcast_four(x + i * K + 16 + 4 * j));
@@ -414,7 +448,7 @@ void x16_group(const uint8_t* group, const BlockInput& in, int64_t m, __m512 out
       out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]), _mm512_mul_ps(d, _mm512_set1_ps(dx)),
                                out[i]);
     }
-    if constexpr (BASE == Q4_1) {
+    if constexpr (MINIMUM) {
       const __m512 minimums = halves_at(scales + 32 * (blocks + b));
       for (int i = 0; i < MR; ++i) {
         const float dx = in.scale[(m + i) * blocks + b];
@@ -682,6 +716,10 @@ bool int8_dot_serves(int64_t type, at::ScalarType dtype, int64_t K) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   // bf16 runs only: an fp32 run asks for products as exact as fp32's, not for llama.cpp's
   if (dtype != at::kBFloat16) return false;
+#if !defined(__AVX512VBMI__)
+  // Q5_0's and Q5_1's fifth bits come out of their qh words through `vpmultishiftqb`
+  if (type == X16 + Q5_0 || type == X16 + Q5_1) return false;
+#endif
   return ((type == Q4_K || type == Q6_K) && K % BLOCK == 0) || (type == Q8_0 && K % PAIR == 0)
          || (is_x16(type) && K % (type - X16 >= Q4_K ? BLOCK : 32) == 0);
 #elif defined(BRAID_GGML_AVX2)
@@ -700,6 +738,8 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_
   switch (type) {
     case X16 + Q4_0: return x16_linear<Q4_0, at::BFloat16>(x, blocks);
     case X16 + Q4_1: return x16_linear<Q4_1, at::BFloat16>(x, blocks);
+    case X16 + Q5_0: return x16_linear<Q5_0, at::BFloat16>(x, blocks);
+    case X16 + Q5_1: return x16_linear<Q5_1, at::BFloat16>(x, blocks);
     case X16 + Q8_0: return x16_linear<Q8_0, at::BFloat16>(x, blocks);
     case X16 + Q4_K: return x16_linear<Q4_K, at::BFloat16>(x, blocks);
     case X16 + Q5_K: return x16_linear<Q5_K, at::BFloat16>(x, blocks);

@@ -1,6 +1,6 @@
 """Weights kept in llama.cpp's quantized blocks, as a GGUF file stores them.
 
-A GGUF file's Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K tensors are loaded as their bytes (a
+A GGUF file's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K tensors are loaded as their bytes (a
 rank copies the rows, or the whole blocks of columns, it keeps) and computed from by braid's
 operators (`csrc/ggml_blocks.cpp`): no dequantized copy exists, so a rank holds its share of
 the file's bytes. `torch.ops.braid.ggml_linear` decodes weight rows in registers (up to four
@@ -9,7 +9,7 @@ lookup decodes the rows it reads. Decoded values are those of the `gguf` package
 `dequantize`, so results equal those over the dequantized weight in the same dtype (the same
 bits, up to FEW_ROWS rows), except where the few-row GEMMs round their inputs to int8 as
 llama.cpp does (`rounds_inputs`, `--block-inputs int8`: `csrc/ggml_int8.cpp`,
-`csrc/ggml_int8_avx2.cpp`). For that kernel Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights are
+`csrc/ggml_int8_avx2.cpp`). For that kernel Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants are
 rearranged at load, 16 rows to a group (`interleave_rows`: same bytes, in the order its vectors
 read them); on CPUs without AMX their GEMMs of every row count (prefill too; but Q6_K's) round
 their inputs, as llama.cpp's do: there the int8 kernel beats decoding tiles for a bf16 GEMM.
@@ -45,18 +45,19 @@ ALL_ROWS = 2**62
 TRIM_EVERY = 16
 # GGML's types that braid interleaves 16 rows to a group for its int8 kernel
 # (`interleave_rows`; `csrc/ggml_format.h`), each then numbered X16 + its type
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 X16, X16_ROWS = 1000, 16
-# Per interleaved type, what a block holds: its fp16 factors (the scale d, and Q4_1's minimum
-# or Q4_K's and Q5_K's dmin), bytes of sub-block scales (the K-quants') and bytes of quants
-# (Q5_K's qh, then its nibbles), in that order but for Q6_K's (quants, scales, d)
-_LAYOUT = {Q4_0: (1, 0, 16), Q4_1: (2, 0, 16), Q8_0: (1, 0, 32), Q4_K: (2, 12, 128),
-           Q5_K: (2, 12, 160), Q6_K: (1, 16, 192)}
+# Per interleaved type, what a block holds: its fp16 factors (the scale d, and Q4_1's and
+# Q5_1's minimum or the K-quants' dmin), bytes of sub-block scales (the K-quants') and bytes of
+# quants (the 5-bit formats' qh, then their nibbles), in that order but for Q6_K's (quants,
+# scales, d)
+_LAYOUT = {Q4_0: (1, 0, 16), Q4_1: (2, 0, 16), Q5_0: (1, 0, 20), Q5_1: (2, 0, 20),
+           Q8_0: (1, 0, 32), Q4_K: (2, 12, 128), Q5_K: (2, 12, 160), Q6_K: (1, 16, 192)}
 INTERLEAVED_TYPES = frozenset(_LAYOUT)
 # The interleaved types whose int8 kernel beats decoding them for a bf16 GEMM at every row
 # count (`round_all_rows`); Q6_K's, which puts each quant together from two vectors, loses
 # from a few dozen rows on (docs/kernel-choices.md)
-_INT8_AT_ANY_ROWS = {Q4_0, Q4_1, Q8_0, Q4_K, Q5_K}
+_INT8_AT_ANY_ROWS = {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K}
 
 
 def weight_rows(blocks: torch.Tensor, kind: int) -> int:
@@ -68,8 +69,8 @@ def rounds_inputs(kind: int, dtype: torch.dtype, columns: int) -> bool:
     """Whether GEMMs of up to FEW_ROWS rows over blocks of GGML type `kind`, with `dtype` inputs
     of `columns` columns, can round the inputs to int8 and multiply them with the blocks' quants
     in integers, as llama.cpp does (`--block-inputs int8`, the default): Q4_K, Q6_K, Q8_0 and
-    the interleaved Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K (`interleave_rows`), bf16 on CPUs
-    with AVX512-VNNI (`csrc/ggml_int8.cpp`); Q4_K, Q6_K and Q8_0, fp32 on AVX2-only ones
+    the interleaved INTERLEAVED_TYPES (`interleave_rows`), bf16 on CPUs with AVX512-VNNI (Q5_0
+    and Q5_1: and VBMI; `csrc/ggml_int8.cpp`); Q4_K, Q6_K and Q8_0, fp32 on AVX2-only ones
     (`csrc/ggml_int8_avx2.cpp`): the dtypes those CPUs compute natively."""
     return torch.ops.braid.ggml_int8_serves(kind, dtype, columns)
 
@@ -161,9 +162,9 @@ def keep_blocks(model: nn.Module) -> int:
 def set_input_rounding(model: nn.Module, round_inputs: bool, all_rows: bool,
                        dtype: torch.dtype) -> None:
     """Whether the few-row GEMMs over every block weight of `model` (a checkpoint's or
-    `--quantization int4|int8`'s) round their inputs to int8 (`--block-inputs`); where they do
-    and this CPU's kernel multiplies `dtype` inputs by 16 rows at a time, Q4_0, Q4_1, Q8_0, Q4_K,
-    Q5_K and Q6_K weights are interleaved for it (`interleave_rows`; a tied embedding shares the
+    `--quantization int4|int8`'s) round their inputs to int8 (`--block-inputs`); where they do and
+    this CPU's kernel multiplies `dtype` inputs by 16 rows at a time, the weights of the formats in
+    INTERLEAVED_TYPES are interleaved for it (`interleave_rows`; a tied embedding shares the
     result), and with `all_rows` their GEMMs of any number of rows round their inputs too (but
     Q6_K's: `_INT8_AT_ANY_ROWS`)."""
     seen: set[int] = set()
@@ -188,15 +189,15 @@ def _words_by_lane(section: torch.Tensor) -> torch.Tensor:
 
 
 def interleave_rows(blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    """Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K blocks `[rows, bytes]` (rows a multiple of 16) as
-    braid's interleaved groups `[rows / 16, 16 * bytes]` (type X16 + kind): per group of 16
-    rows, for each block vectors of 64 bytes whose lane r holds 4 bytes of row r's quants
-    (Q8_0's plus 128; Q5_K's qh, then its nibbles; Q6_K's ql, then qh), then the group's fp16
-    factors (16 a block: the scales, then Q4_1's minimums or the K-quants' dmin), then the
-    K-quants' sub-block scales, 4 bytes of each row a vector. The int8 kernel multiplies 16
-    rows by 4 inputs an instruction, the 16 rows' scales arrive in one vector and no row's sum
-    needs a horizontal reduction: about a third of the instructions a weight of the row-by-row
-    kernel (`csrc/ggml_int8.cpp`)."""
+    """Blocks of a format in INTERLEAVED_TYPES `[rows, bytes]` (rows a multiple of 16) as braid's
+    interleaved groups `[rows / 16, 16 * bytes]` (type X16 + kind): per group of 16 rows, for each
+    block vectors of 64 bytes whose lane r holds 4 bytes of row r's quants (Q8_0's plus 128; the
+    5-bit formats' qh, then their nibbles; Q6_K's ql, then qh), then the group's fp16 factors (16 a
+    block: the scales, then Q4_1's and Q5_1's minimums or the K-quants' dmin), then the K-quants'
+    sub-block scales, 4 bytes of each row a vector. The int8 kernel multiplies 16 rows by 4 inputs
+    an instruction, the 16 rows' scales arrive in one vector and no row's sum needs a horizontal
+    reduction: about a third of the instructions a weight of the row-by-row kernel
+    (`csrc/ggml_int8.cpp`)."""
     rows = blocks.shape[0]
     halves, scales, quants = _sections(blocks.view(rows // X16_ROWS, X16_ROWS, -1,
                                                    _block_bytes(kind)), kind)

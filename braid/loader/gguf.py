@@ -32,8 +32,8 @@ if TYPE_CHECKING:  # the model code's package, which the API process must not lo
 _NAME_RE = re.compile(r"^(.+)\.(weight|bias)$")
 # The formats braid's operators compute from as they are (`braid.layers.ggml_weight`)
 BLOCK_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
-               GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
-               GGMLQuantizationType.Q6_K}
+               GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
+               GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K}
 
 
 @lru_cache(maxsize=4)
