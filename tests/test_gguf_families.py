@@ -235,6 +235,28 @@ def test_the_gguf_generates_what_the_folder_does(arch, tiny_models, prompt_ids):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1],
+                         ids=lambda q: q.name)
+def test_a_5_bit_gguf_decodes_as_transformers_on_its_weights(qtype, tiny_models, prompt_ids,
+                                                               tmp_path):
+    """The tiny llama written in Q5_0 or Q5_1 (every matrix), bf16 at tp 1: its weights stay
+    blocks, interleaved for the int8 kernel where the CPU has one (llama.cpp's arithmetic, its
+    inputs rounded to int8). Fed the same tokens, transformers' fp32 model on the file's
+    dequantized weights ranks each greedy token within LOGIT_MARGIN of its best."""
+    from test_ggml_blocks import check_shortfalls
+    from transformers import AutoModelForCausalLM
+
+    path = write_gguf(tiny_models("llama").folder, tmp_path / "q5.gguf", qtype)
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                     dtype=torch.float32).eval()
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    with LLM(str(path), tp=1, dtype="bf16") as llm:
+        (ready,) = llm.core.executor.readies
+        outputs = [llm.generate([ids], params)[0] for ids in prompt_ids]  # one row a step
+    assert ready.weight_bytes < 0.3 * sum(p.numel() for p in reference.parameters()) * 4
+    check_shortfalls(reference, prompt_ids, outputs)
+
+
 def test_the_embedded_llama_config_is_unchanged(model_path):
     """The embedded SmolLM2 GGUF's config, as braid read it before GGUF went through the
     Hugging Face dict."""
