@@ -310,10 +310,10 @@ void rows_times_inputs(int64_t type, const uint8_t* row, int64_t row_bytes, int6
 }
 
 // Input rows rounded for the interleaved formats, per 32 inputs (llama.cpp's Q8_0 and Q8_1
-// inputs, for Q4_0, Q4_1 and Q8_0) or per 256 (its Q8_K, for the K-quants): quants in
-// natural order, each rounding block's scale, and the quants' sum per `span` (32, or Q6_K's
-// sub-blocks of 16: for Q8_0's offset of 128, Q4_0's of 8, Q6_K's of 32 and the minimums of
-// Q4_1, Q4_K and Q5_K).
+// inputs, for the formats of 32-element blocks) or per 256 (its Q8_K, for the K-quants):
+// quants in natural order, each rounding block's scale, and the quants' sum per `span` (32, or
+// Q6_K's sub-blocks of 16: for Q8_0's offset of 128, Q4_0's of 8, Q5_0's of 16, Q6_K's of 32
+// and the minimums of Q4_1, Q5_1, Q4_K and Q5_K).
 struct BlockInput {
   int64_t K, blocks;  // blocks: spans of inputs, each with its sum
   std::vector<int8_t> q;
@@ -382,11 +382,11 @@ inline __m512i fifth_bits(int first) {
 
 // One group (16 weight rows) of an interleaved format BASE times input rows [m, m + MR):
 // out[i] holds the 16 rows' products with input m + i, lane r for row r. A block's integer
-// sums start from its offset (Q8_0's quants enter as q + 128, Q4_0's as q + 8: minus that
-// times the inputs' sum), then `vpdpbusd` adds 4 quants of all 16 rows times 4 inputs
-// (broadcast); one FMA applies the 16 rows' scales, and for Q4_1 a second its minimums times
-// the inputs' sum. A row's sum runs over the blocks in order, whatever MR is, so its bits do
-// not depend on the rows beside it.
+// sums start from its offset (Q8_0's quants enter as q + 128, Q4_0's as q + 8, Q5_0's as
+// q + 16: minus that times the inputs' sum), then `vpdpbusd` adds 4 quants of all 16 rows
+// times 4 inputs (broadcast); one FMA applies the 16 rows' scales, and for Q4_1 and Q5_1 a
+// second their minimums times the inputs' sum. A row's sum runs over the blocks in order,
+// whatever MR is, so its bits do not depend on the rows beside it.
 template <int64_t BASE, int MR>
 void x16_group(const uint8_t* group, const BlockInput& in, int64_t m, __m512 out[MR]) {
   constexpr bool FIFTH_BIT = BASE == Q5_0 || BASE == Q5_1;  // a qh vector before the nibbles
@@ -426,8 +426,8 @@ void x16_group(const uint8_t* group, const BlockInput& in, int64_t m, __m512 out
         const __m512i both = _mm512_loadu_si512(quants + 64 * j);
         __m512i low = _mm512_and_si512(both, nibble);
         __m512i high = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
+#if defined(__AVX512VBMI__)  // (instantiated for the 5-bit formats only with VBMI)
         if constexpr (FIFTH_BIT) {
-#if defined(__AVX512VBMI__)
           // Byte t of lane r gets bit 4 j + t (low) or 16 + 4 j + t (high) of row r's qh at
           // bit 4: each byte of a qword takes the 8 bits from its own offset (rotating)
           const __m512i qh = _mm512_loadu_si512(quants - 64);
@@ -435,8 +435,8 @@ void x16_group(const uint8_t* group, const BlockInput& in, int64_t m, __m512 out
               low, _mm512_multishift_epi64_epi8(fifth_low[j], qh), bit_four, 0xF8);
           high = _mm512_ternarylogic_epi32(
               high, _mm512_multishift_epi64_epi8(fifth_high[j], qh), bit_four, 0xF8);
-#endif
         }
+#endif
         for (int i = 0; i < MR; ++i) {
           sum[i] = _mm512_dpbusd_epi32(sum[i], low, broadcast_four(x + i * K + 4 * j));
           sum[i] = _mm512_dpbusd_epi32(sum[i], high, broadcast_four(x + i * K + 16 + 4 * j));
@@ -521,7 +521,8 @@ void x16_q4_k_group(const uint8_t* group, const BlockInput& in, int64_t m, __m51
         __m512i q = _mm512_and_si512(_mm512_srli_epi16(both, shift), nibble);
         if constexpr (FIFTH_BIT) {  // bit j of the qh bytes to bit 4, or'ed in: q | (h & 16)
           const __m512i h = _mm512_loadu_si512(high_bits + 64 * v);
-          const __m512i moved = j < 4 ? _mm512_slli_epi16(h, 4 - j) : _mm512_srli_epi16(h, j - 4);
+          const __m512i moved =
+              j < 4 ? _mm512_slli_epi16(h, 4 - j) : _mm512_srli_epi16(h, j - 4);
           q = _mm512_ternarylogic_epi32(q, moved, bit_four, 0xF8);
         }
         for (int i = 0; i < MR; ++i)
@@ -738,8 +739,10 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_
   switch (type) {
     case X16 + Q4_0: return x16_linear<Q4_0, at::BFloat16>(x, blocks);
     case X16 + Q4_1: return x16_linear<Q4_1, at::BFloat16>(x, blocks);
+#if defined(__AVX512VBMI__)
     case X16 + Q5_0: return x16_linear<Q5_0, at::BFloat16>(x, blocks);
     case X16 + Q5_1: return x16_linear<Q5_1, at::BFloat16>(x, blocks);
+#endif
     case X16 + Q8_0: return x16_linear<Q8_0, at::BFloat16>(x, blocks);
     case X16 + Q4_K: return x16_linear<Q4_K, at::BFloat16>(x, blocks);
     case X16 + Q5_K: return x16_linear<Q5_K, at::BFloat16>(x, blocks);
