@@ -607,7 +607,11 @@ void x16_q6_k_group(const uint8_t* group, const BlockInput& in, int64_t m, __m51
     if constexpr (MR == 1) {
       __m512i dots[16];
       for (int s = 0; s < 16; ++s) dots[s] = _mm512_setzero_si512();
+      // Unrolled, so that the sums stay in registers: indexed by loop counters, GCC kept them
+      // on the stack, a store and a load a product and more address arithmetic than vectors
+#pragma GCC unroll 2
       for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 8
         for (int v = 0; v < 8; ++v) {
           prefetch.part(8 * h + v, 16);
           const __m512i first = _mm512_loadu_si512(quants + 64 * (16 * h + v));
