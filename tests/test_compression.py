@@ -130,3 +130,20 @@ def test_overlap_runs_with_compressed_sums_and_auto_probes_the_pair():
     learned = EngineConfig.create(model="m", tp=2, comm="torch").switches
     assert (("overlap", True), ("compression", "int8")) in step_settings(
         learned, 512, 2, False, compression_learned=True)
+
+
+def test_auto_does_not_probe_overlap_for_a_decode_step_that_a_graph_runs():
+    """Its first overlapped step would compile pieces mid-serving (a 0.5-6 s stall seen in a
+    speculative verification's 17 rows); `--overlap on` still overlaps such a step."""
+    from braid.config import EngineConfig
+    from braid.engine.step_choice import step_settings
+
+    learned = EngineConfig.create(model="m", tp=2).switches
+    overlap = {dict(s)["overlap"] for s in step_settings(learned, 17, 2, False, False,
+                                                          graph_decode=True)}
+    assert overlap == {False}
+    assert {dict(s)["overlap"] for s in step_settings(learned, 17, 2, False, False)} == {
+        False, True}
+    forced = EngineConfig.create(model="m", tp=2, overlap="on").switches
+    assert {dict(s)["overlap"] for s in step_settings(forced, 17, 2, False, False,
+                                                      graph_decode=True)} == {True}

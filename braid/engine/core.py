@@ -260,9 +260,12 @@ class EngineCore:
 
     def _run(self, plan: StepPlan, batch: list[Sequence] = (),
              layout: list[SequenceRows] = ()) -> StepResult:
+        decode = bool((plan.q_lens == 1).all())
+        graphs = self.compiled and self.executor.ready.not_compiled is None
         settings = step_settings(self.switches, plan.num_tokens, self.config.parallel.tp,
-                                 self._has_dp_linear, self._compression_learned)
-        bucket = step_bucket(plan.num_tokens, bool((plan.q_lens == 1).all()))
+                                 self._has_dp_linear, self._compression_learned,
+                                 graph_decode=decode and graphs)
+        bucket = step_bucket(plan.num_tokens, decode)
         setting, probe = self.chooser.choose(bucket, settings)
         chosen = dict(setting)
         why = f"{bucket} {'probe' if probe else 'chosen'}: {describe(setting)}"

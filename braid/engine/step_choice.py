@@ -56,13 +56,16 @@ def switch_options(mode: str, num_tokens: int, min_tokens: int | None,
 
 
 def step_settings(switches: StepSwitches, num_tokens: int, tp: int, has_dp_linear: bool,
-                  compression_learned: bool) -> list[Setting]:
+                  compression_learned: bool, graph_decode: bool = False) -> list[Setting]:
     """Every setting of the per-step switches that a step of `num_tokens` may run with: DP
     linear only for a model that has it, compression learned only where `compression_learned`
-    (the ranks span hosts)."""
+    (the ranks span hosts), no overlap under `auto` for a decode step that a compiled decode
+    graph runs (`graph_decode`): the graph holds no overlap, and probing one would compile the
+    staged pieces for that size in the middle of serving, a stall of seconds in whichever
+    request met it (a speculative verification's rows did)."""
     several = tp > 1
     overlap = switch_options(switches.overlap, num_tokens, switches.overlap_min_tokens,
-                             several and num_tokens > 1)
+                             several and num_tokens > 1 and not graph_decode)
     # A model without DP linear leaves it out (`auto`'s choices then do not name it).
     dp_linear = switch_options(switches.dp_linear, num_tokens, switches.dp_linear_min_tokens,
                                several) if has_dp_linear else None
