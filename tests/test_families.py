@@ -122,7 +122,7 @@ def test_the_window_changes_these_prompts(family, family_prompts):
 def test_compiled_steps_match_transformers(arch, family, family_prompts):
     """Decode steps through the compiled graph at tp 2: windowed layers read the traced
     kernel under a sliding key mask, Gemma's norms and block order in the graph. (Overlap
-    off: `auto` would probe overlapped decode steps, which run compiled pieces instead.)"""
+    off, so that no step of several rows runs compiled pieces instead.)"""
     folder, model = family(arch)
     _, ref_greedy = reference(model, family_prompts)
     with LLM(folder, tp=2, dtype="fp32", compile="on", overlap="off") as llm:
