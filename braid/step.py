@@ -192,3 +192,6 @@ class RankReady:
     kv_cache_bytes: int = 0
     pid: int = 0
     namespace: str = ""  # `platform.process_namespace`: where `pid` can be looked up
+    # Whether compiled steps run decode steps through the decode graph (not where the model
+    # also outputs its hidden states: those run pieces)
+    decode_graph: bool = False

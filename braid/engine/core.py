@@ -261,7 +261,7 @@ class EngineCore:
     def _run(self, plan: StepPlan, batch: list[Sequence] = (),
              layout: list[SequenceRows] = ()) -> StepResult:
         decode = bool((plan.q_lens == 1).all())
-        graphs = self.compiled and self.executor.ready.not_compiled is None
+        graphs = self.compiled and self.executor.ready.decode_graph
         settings = step_settings(self.switches, plan.num_tokens, self.config.parallel.tp,
                                  self._has_dp_linear, self._compression_learned,
                                  graph_decode=decode and graphs)

@@ -127,7 +127,8 @@ class ModelRunner:
         not_compiled = self.kernels.not_compiled
         return RankReady(not_compiled, not_compiled is None and self._decode_step.cached(),
                          self.kernels.describe(), weight_bytes(self.model),
-                         kv_cache_bytes(self.model), os.getpid(), process_namespace())
+                         kv_cache_bytes(self.model), os.getpid(), process_namespace(),
+                         decode_graph=not_compiled is None and not self.model.keeps_hidden)
 
     @functools.cached_property
     def _decode_step(self) -> CompiledDecodeStep:
