@@ -211,7 +211,7 @@ class SpeculativeConfig(_Group):
                              at_least=1)
     draft_model: str | None = setting(
         None, "--speculative draft: a model sharing the tokenizer (GGUF file or folder), run "
-        "in the engine's process", metavar="PATH")
+        "inside the ranks at the model's tp, with a KV cache of its own", metavar="PATH")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -86,6 +86,21 @@ class StepMode:
 
 
 @dataclass
+class DraftPlan:
+    """`--speculative draft`: the draft model's part of a step, run on the ranks before the
+    model's forward (`braid.worker.draft`). `catch_up` computes the draft's keys for each
+    sequence's tokens it has not computed (the prompt chunk the step computes, or a decoding
+    sequence's tokens accepted since, up to its last one); its logit rows are the last rows of
+    the sequences that propose. Proposing sequence i verifies its draft at the step's rows
+    `rows[i]` (its last token) to `rows[i] + lengths[i]`: the ranks fill those input ids with
+    the draft's greedy tokens, one draft step per token, at those rows' positions and slots."""
+
+    catch_up: StepPlan
+    rows: np.ndarray  # [P] int64: each proposing sequence's last-token row in the step's plan
+    lengths: np.ndarray  # [P] int64: the tokens it proposes (>= 1)
+
+
+@dataclass
 class StepPlan:
     """One forward step, decided by the scheduler and sent to every rank.
 
@@ -112,6 +127,7 @@ class StepPlan:
     step_id: int = 0  # rank 0's answer carries it back
     return_logits: bool = False  # send the fp32 logits of the logit rows back (validation)
     mode: StepMode = field(default_factory=StepMode)
+    draft: DraftPlan | None = None  # `--speculative draft`: proposals the ranks fill in
 
     @property
     def num_tokens(self) -> int:
@@ -142,6 +158,9 @@ class StepResult:
     # `--speculative mtp`: the token proposed to follow each sampling run's accepted tokens
     # (`StepPlan.sample_runs`), by the model's MTP layer
     proposals: list[int] | None = None
+    # `--speculative draft`: the tokens the draft proposed for each of `StepPlan.draft`'s
+    # sequences, which this step verified
+    drafts: list[list[int]] | None = None
 
 
 # How a step ran (`StepResult.path`, reported by benchmarks and `/metrics`): the decode graph,

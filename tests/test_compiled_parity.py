@@ -13,7 +13,6 @@ import torch
 from conftest import slow
 
 from braid import LLM, SamplingParams
-from braid.engine.draft import DraftProposer
 from braid.engine.speculation import NgramProposer, Speculator
 
 LOGIT_TOLERANCE = 2e-3
@@ -53,8 +52,10 @@ def test_compiled_steps_match_transformers_with_and_without_overlap(tp, comm, ti
     """`--compile on`: logits and greedy tokens equal transformers'; at tp > 1 overlap on and
     off give the same tokens and logits within the tolerance, every step on a compiled path."""
     ref_logits, ref_greedy = tiny_reference
-    with LLM(tiny_llama, tp=tp, dtype="fp32", comm=comm, compile="on",
-             prefix_caching=False) as llm:
+    # The model is also its own draft model (`--speculative draft`), held back until the end
+    with LLM(tiny_llama, tp=tp, dtype="fp32", comm=comm, compile="on", prefix_caching=False,
+             speculative="draft", draft_model=tiny_llama) as llm:
+        drafting, llm.core.speculator = llm.core.speculator, None
         check_logits(llm.prompt_logits(PROMPTS), ref_logits)
         assert greedy(llm, "off") == ref_greedy
         paths = {"off": dict(llm.core.steps_by_path)}
@@ -71,12 +72,14 @@ def test_compiled_steps_match_transformers_with_and_without_overlap(tp, comm, ti
             assert greedy(llm, overlap) == ref_greedy
         assert scheduler.num_draft_tokens > 0  # (the random model copies little)
         assert llm.core.steps_by_path["graph"] > paths["all"]["graph"]
-        # ... and so do the proposals of a draft model (the model itself: all accepted)
-        draft = llm.config.replace(speculative="draft", draft_model=tiny_llama)
-        llm.core.speculator = Speculator(DraftProposer(draft, llm.model_config), 8)
-        accepted, drafted = scheduler.num_accepted_tokens, scheduler.num_draft_tokens
-        assert greedy(llm, "off") == ref_greedy
-        assert scheduler.num_accepted_tokens - accepted == scheduler.num_draft_tokens - drafted > 0
+        # ... and so do the proposals of the draft model in the ranks (all accepted), whose
+        # own steps are compiled too
+        llm.core.speculator = drafting
+        for overlap in ("off", "on") if tp > 1 else ("off",):
+            accepted, drafted = scheduler.num_accepted_tokens, scheduler.num_draft_tokens
+            assert greedy(llm, overlap) == ref_greedy
+            assert (scheduler.num_accepted_tokens - accepted
+                    == scheduler.num_draft_tokens - drafted > 0)
     assert set(paths["off"]) == {"pieces", "graph"}  # prompts, decode steps
     assert paths["off"]["graph"] >= 11
     if tp > 1:

@@ -8,7 +8,6 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import slow
 from engine_utils import RunnerExecutor, fake_core, fake_next_token, run_requests
 
 from braid.config import EngineConfig, KVCacheConfig, SchedulerConfig
@@ -321,67 +320,100 @@ def test_the_real_model_decodes_as_without_speculation(runner, tokenizer, prompt
         assert (core.scheduler.num_preemptions > 0) == (cache_tokens == 160)
 
 
-# Slow: by default the compiled-parity test runs a draft model at tp 1 and 2
-@pytest.mark.parametrize("draft", [slow("tiny"), slow("same")])
-def test_a_draft_model_decodes_as_without_speculation(runner, tokenizer, prompt_ids, tiny_llama,
-                                                      model_path, draft):
-    """A random two-layer draft (sharing the tokenizer) proposes tokens the model rejects
-    almost always; the model itself as its own draft proposes what it then accepts. Both
-    decode what plain decoding does, with preemption on the second run."""
-    prompts = [tokenizer(COPY)["input_ids"], *prompt_ids[:2]]
-    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
-    draft_path = tiny_llama if draft == "tiny" else model_path
+@pytest.fixture(scope="module")
+def tiny_with_draft(tiny_llama, tmp_path_factory, tokenizer):
+    """The tiny Llama as one rank in this process with two draft models beside it: itself
+    (whose greedy proposals it accepts) and another random one (whose proposals it rejects)."""
+    from braid.distributed.comm import SkipCommunicator
+    from braid.loader.model_config import load_model_config
+    from braid.random_model import make_random_model
+    from braid.worker.draft import RankDraft
+    from braid.worker.model_runner import ModelRunner
 
-    def generate(cache_tokens: int, **speculation) -> tuple[list[list[int]], EngineCore]:
+    other = str(make_random_model("llama", "tiny", str(tmp_path_factory.mktemp("other") / "m"),
+                                  seed=1, tokenizer=tokenizer))
+    # Eager (no fused kernels to compile: seconds saved where no other test compiled them)
+    config = EngineConfig.create(model=tiny_llama, dtype="fp32", max_total_tokens=4096,
+                                 compile="off")
+    runner = ModelRunner(config, load_model_config(tiny_llama), SkipCommunicator(0, 1))
+    drafts = {name: RankDraft(config.replace(speculative="draft", draft_model=path), runner.comm)
+              for name, path in (("same", tiny_llama), ("other", other))}
+    return runner, drafts
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_a_draft_model_in_the_ranks_decodes_as_without_speculation(tiny_with_draft, draft):
+    """The draft model beside the model (`braid.worker.draft`) proposes, the step verifies:
+    greedy and seeded sampled outputs equal plain decoding's, with a prefix shared between
+    requests, and with a cache so small that sequences are preempted and recomputed (the
+    draft's positions roll back with the model's). The model as its own draft has every greedy
+    proposal accepted; another random model almost none."""
+    runner, drafts = tiny_with_draft
+    shared = list(range(300, 340))
+    prompts = [shared + [7, 8], list(range(1000, 1003)), list(range(7, 300, 3)), shared + [9]]
+
+    def generate(params, cache_tokens: int, **speculation):
         config = EngineConfig.create(model=runner.engine.model, dtype="fp32",
                                      max_total_tokens=cache_tokens, speculative_tokens=4,
-                                     **speculation)
+                                     compile="off", **speculation)
         core = EngineCore(config, runner.config, RunnerExecutor(runner))
-        return run_requests(core, prompts, params, eos=2), core
+        return run_requests(core, prompts, params, eos=-1), core.scheduler
 
-    plain, _ = generate(4096)
-    for cache_tokens in (4096, 96):
-        outputs, core = generate(cache_tokens, speculative="draft", draft_model=draft_path)
-        assert outputs == plain
-        scheduler = core.scheduler
-        assert scheduler.num_draft_tokens > 0
-        if draft == "same":
-            assert scheduler.num_accepted_tokens > 0.9 * scheduler.num_draft_tokens
-        assert (scheduler.num_preemptions > 0) == (cache_tokens == 96)
-        core.speculator.propose([])  # the next step's: no sequence decodes any more
-        assert core.speculator.proposer.blocks.num_used == 0
+    runner.draft = drafts[draft]
+    try:
+        for params in (SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True),
+                       SamplingParams(max_new_tokens=40, temperature=0.05, seed=7,
+                                      ignore_eos=True)):
+            plain, _ = generate(params, 4096)
+            for cache_tokens in (4096, 160):
+                outputs, scheduler = generate(params, cache_tokens, speculative="draft",
+                                              draft_model=drafts[draft].runner.engine.model)
+                assert outputs == plain
+                assert scheduler.num_draft_tokens > 0
+                if draft == "same" and params.temperature == 0:
+                    assert scheduler.num_accepted_tokens == scheduler.num_draft_tokens
+                elif draft == "same":  # sampled: some accepted, some not
+                    assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+                assert scheduler.prefix_hits > 0
+                assert (scheduler.num_preemptions > 0) == (cache_tokens == 160)
+    finally:
+        runner.draft = None
 
 
-def test_the_drafts_catch_up_keeps_to_the_step_budget(tiny_llama):
-    """Prompts longer than --max-num-batched-tokens reach the draft over several forwards, none
-    larger, and it proposes what one unbounded forward proposes."""
-    from braid.engine.draft import DraftProposer
-    from braid.loader.model_config import load_model_config
+def test_the_drafts_catch_up_computes_each_token_once():
+    """A step's draft plan catches the draft up on exactly the tokens it has not computed: a
+    prompt chunk's, a decoding sequence's accepted ones up to its last (whose argmax proposes,
+    at the row the step verifies from), and a preempted sequence's from its start again."""
+    from braid.engine.draft import RankDraftProposer
 
-    target = load_model_config(tiny_llama, False)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000) for _ in range(n)] for n in (40, 23, 5)]
-    budget = 16
+    proposer = RankDraftProposer(block_size=16)
+    chunked = Sequence(0, "0", 0, list(range(100, 140)), GREEDY, blocks=[1, 2, 3])
+    decoding = Sequence(1, "1", 0, list(range(200, 210)), GREEDY, blocks=[4])
+    chunked.scheduled_tokens = 16  # its first 16 prompt tokens
+    decoding.scheduled_tokens = 10  # its whole prompt
+    first = proposer.plan([chunked, decoding], {0, 1})
+    assert first.catch_up.input_ids.tolist() == list(range(100, 116)) + list(range(200, 210))
+    assert first.catch_up.logit_rows.tolist() == [] and first.rows.tolist() == []
 
-    def proposals(max_num_batched_tokens: int) -> tuple[list[list[int]], list[int]]:
-        config = EngineConfig.create(model=tiny_llama, dtype="fp32", speculative="draft",
-                                     draft_model=tiny_llama,
-                                     max_num_batched_tokens=max_num_batched_tokens)
-        proposer = DraftProposer(config, target)
-        forwards, logits = [], proposer.runner.logits
-        proposer.runner.logits = lambda plan: (forwards.append(len(plan.input_ids)),
-                                               logits(plan))[1]
-        seqs = [Sequence(i, str(i), 0, prompt, GREEDY) for i, prompt in enumerate(prompts)]
-        drafts = proposer.propose(seqs, [3, 3, 3])
-        for seq, draft in zip(seqs, drafts):  # as if the target accepted all but the last
-            seq.output_ids += draft[:-1]
-        return drafts + proposer.propose(seqs, [2, 2, 2]), forwards
+    # Next step: the chunk goes on; the other sampled its first token and proposes 3 more
+    chunked.num_computed, chunked.scheduled_tokens = 16, 16
+    decoding.num_computed, decoding.output_ids = 10, [50]
+    decoding.draft, decoding.scheduled_tokens = [0, 0, 0], 4
+    second = proposer.plan([chunked, decoding], {0, 1})
+    catch_up = second.catch_up
+    assert catch_up.input_ids.tolist() == list(range(116, 132)) + [50]
+    assert catch_up.positions.tolist() == list(range(16, 32)) + [10]
+    assert catch_up.logit_rows.tolist() == [16]  # the newest token proposes the first
+    assert second.rows.tolist() == [16] and second.lengths.tolist() == [3]
 
-    bounded, forwards = proposals(budget)
-    unbounded, one_forward = proposals(4096)
-    assert bounded == unbounded
-    assert max(forwards) <= budget < max(one_forward)
-    assert sum(forwards) == sum(one_forward)  # no token computed twice
+    # The model accepted one proposal (51) and sampled 52; the chunked sequence was preempted
+    decoding.output_ids += [51, 52]
+    decoding.num_computed, decoding.draft, decoding.scheduled_tokens = 12, [], 1
+    chunked.num_computed, chunked.scheduled_tokens = 0, 40
+    third = proposer.plan([chunked, decoding], {0, 1})
+    # The draft computed 51's key as a proposal, which was accepted: 52 alone is new to it
+    assert third.catch_up.input_ids.tolist() == list(range(100, 140)) + [52]
+    assert third.catch_up.positions.tolist()[-1] == 12
 
 
 def test_ngram_proposer_skips_a_sequence_without_a_match():
@@ -400,3 +432,20 @@ def test_speculation_flags_are_checked():
                       ({"ngram_min": 3, "ngram_max": 2}, "--ngram-min")]:
         with pytest.raises(UserError, match=flag):
             EngineConfig.create(model="m", **bad)
+
+
+def test_a_draft_model_that_cannot_draft_is_refused_by_name(tiny_llama):
+    """Before the ranks start: a draft with another vocabulary or a shorter context."""
+    from dataclasses import replace
+
+    from braid.engine.draft import check_draft_model
+    from braid.loader.model_config import load_model_config
+
+    target = load_model_config(tiny_llama)
+    config = EngineConfig.create(model=tiny_llama, speculative="draft", draft_model=tiny_llama)
+    check_draft_model(config, target)  # the model itself drafts
+    for changed, words in (({"vocab_size": target.vocab_size + 1}, "vocabulary of"),
+                           ({"max_position_embeddings": 2 * target.max_position_embeddings},
+                            "context of")):
+        with pytest.raises(UserError, match=f"--draft-model .* {words}"):
+            check_draft_model(config, replace(target, **changed))

@@ -20,6 +20,7 @@ import torch
 
 from braid.config import EngineConfig
 from braid.distributed.ranks.torchrun import ranks_span_hosts
+from braid.engine.draft import RankDraftProposer
 from braid.engine.executor import Executor
 from braid.engine.grammar import Grammars
 from braid.engine.kv_cache import BlockManager
@@ -103,9 +104,7 @@ class EngineCore:
             self.layer_proposals = LayerProposals()
             self.speculator = Speculator(self.layer_proposals, 1, step_times_file(config))
         elif config.speculative.method == "draft":
-            from braid.engine.draft import DraftProposer  # loads a model: only where asked
-
-            self.speculator = Speculator(DraftProposer(config, model_config),
+            self.speculator = Speculator(RankDraftProposer(config.kv_cache.block_size),
                                          config.speculative.num_tokens, step_times_file(config))
 
     def compile_steps(self, job_tokens: int | None = None) -> None:
@@ -232,7 +231,12 @@ class EngineCore:
                                           next(self._step_ids))
         deltas = failed
         if batch:
+            draft = self.speculator and self.speculator.proposer
+            if isinstance(draft, RankDraftProposer):  # the ranks' draft model fills the drafts
+                plan.draft = draft.plan(batch, {seq.seq_id for seq in self.scheduler.running})
             result = self._run(plan, batch, layout)
+            if isinstance(draft, RankDraftProposer):
+                draft.receive(batch, result)
             deltas += self.scheduler.commit(batch, layout, result)
             if self.layer_proposals is not None:
                 self.layer_proposals.receive(batch, layout, result.proposals)

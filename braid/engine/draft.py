@@ -1,136 +1,107 @@
-"""`--speculative draft`: a small model sharing the target's tokenizer proposes each
-sequence's next tokens, greedily, in the engine's own process.
+"""`--speculative draft` on the driver: which sequences the ranks' draft model proposes for,
+how many tokens, and what its catch-up computes (`braid.step.DraftPlan`; the ranks' part is
+`braid.worker.draft`).
 
-The draft is a `ModelRunner` of one rank (any model braid loads, at the target's dtype; loaded
-by name, as the engine imports no rank code) with a paged KV cache of its own, as large as the
-target's, whose blocks this proposer allocates per sequence (`BlockManager`, no prefix cache).
-Before a step it catches each decoding sequence's cache up with the tokens it has not seen (the
-prompt at first, then the accepted tokens and the target's last one) in one batched forward
-whose last row proposes the first token, then runs one batched decode step per further token.
-The keys it wrote for its own proposals stay valid as far as the target accepted them; the rest
-are overwritten by the next catch-up. A sequence that stops decoding (finished, preempted) gives
-its blocks back at the next proposal.
+Before a step the `Speculator` asks this proposer for drafts of chosen lengths: it answers with
+placeholders of those lengths, which the scheduler and the plan treat as any draft (rows,
+blocks, sampling rows), and which the ranks replace by the draft's greedy tokens before the
+model's forward; the step's answer brings them back (`StepResult.drafts`) to be accepted
+(`Scheduler._record_tokens`) as any draft. Greedy proposals are point masses, so the
+acceptance rule keeps the output distribution exactly the model's, at any temperature.
 
-Greedy proposals are point masses, so the target's acceptance rule (`Scheduler._record_tokens`)
-keeps the output distribution exactly the target's, at any temperature.
+A sequence whose sampling reads its token history (penalties) proposes nothing: its
+verification rows' penalties would have to count proposals that the driver learns only after
+the step.
+
+The draft's keys live at the model's slots, so this side tracks, per sequence, how many of its
+leading positions hold the draft's keys: the catch-up starts there (never past the model's own
+computed tokens: a rejected proposal's key, a preempted sequence) and computes up to the step's
+last token of the sequence; a proposal of k tokens then writes the keys of the first k - 1 at
+the positions the model verifies them at. A sequence first planned with a cached prefix trusts
+the draft's keys in those blocks (they were written with the model's).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from braid.config import EngineConfig
-from braid.distributed.comm import SkipCommunicator
-from braid.engine.executor import MODEL_RUNNER
-from braid.engine.kv_cache import BlockManager
 from braid.engine.plan import slot_mapping
 from braid.engine.request import Sequence
 from braid.errors import UserError
 from braid.loader.model_config import ModelConfig, load_model_config
-from braid.spawn import resolve
-from braid.step import StepPlan
+from braid.models.registry import model_class
+from braid.step import DraftPlan, StepPlan, StepResult
+
+PLACEHOLDER = 0  # a proposal's token until the ranks' draft fills it in
 
 
-@dataclass
-class DraftCache:
-    """A sequence's blocks in the draft's cache and how many of its leading positions hold
-    keys (the last proposal's included, accepted or not)."""
+def check_draft_model(config: EngineConfig, target: ModelConfig) -> None:
+    """Refuse, before the ranks start, a draft model that cannot draft for the model: another
+    vocabulary, a shorter context, or heads that do not split at the model's tp."""
+    path = config.speculative.draft_model
+    draft = load_model_config(path, config.cache)
+    if draft.vocab_size != target.vocab_size:
+        raise UserError(f"--draft-model {path} has a vocabulary of {draft.vocab_size} tokens, "
+                        f"the model {target.vocab_size}: a draft must share the model's "
+                        "tokenizer")
+    if draft.max_position_embeddings < target.max_position_embeddings:
+        raise UserError(f"--draft-model {path} has a context of {draft.max_position_embeddings} "
+                        f"tokens, the model {target.max_position_embeddings}: a draft must cover "
+                        "the model's context")
+    model_class(draft).check_config(draft, config.parallel.tp)
 
-    blocks: list[int] = field(default_factory=list)
-    computed: int = 0
 
+class RankDraftProposer:
+    """Draft lengths for the ranks' draft model and each step's `DraftPlan` (see the module
+    docstring)."""
 
-class DraftProposer:
-    """Greedy proposals of a draft model (see the module docstring)."""
-
-    def __init__(self, config: EngineConfig, target: ModelConfig) -> None:
-        draft_config = load_model_config(config.speculative.draft_model, config.cache)
-        if draft_config.vocab_size != target.vocab_size:
-            raise UserError(f"--draft-model {config.speculative.draft_model} has a vocabulary of "
-                            f"{draft_config.vocab_size} tokens, the model {target.vocab_size}: "
-                            "a draft must share the model's tokenizer")
-        # One rank, eager, with the target's precision and cache size, proposing nothing
-        self.engine = config.replace(model=config.speculative.draft_model, tp=1, compile="off",
-                                     speculative="off", draft_model=None, prefix_caching=False)
-        self.runner = resolve(MODEL_RUNNER)(self.engine, draft_config, SkipCommunicator(0, 1))
-        self.blocks = BlockManager(self.engine.kv_cache)
-        self._caches: dict[int, DraftCache] = {}  # by seq_id
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._computed: dict[int, int] = {}  # seq_id -> leading positions with draft keys
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
-        self._forget_all_but(seqs)
-        active = []
-        for seq, k in zip(seqs, ks):
-            cache = self._caches.setdefault(seq.seq_id, DraftCache())
-            # The keys of its last proposal hold as far as the target accepted it: up to the
-            # token before the target's own last one
-            cache.computed = min(cache.computed, seq.num_tokens - 1)
-            # This proposal writes keys up to its (k - 1)th token
-            need = self.blocks.blocks_needed(seq.num_tokens + k - 1, len(cache.blocks))
-            if k and need <= self.blocks.num_free:
-                cache.blocks += self.blocks.allocate(need)
-                active.append((seq, k, cache))
-        drafts = {seq.seq_id: [] for seq in seqs}
-        self._catch_up(active, drafts)
-        for depth in range(1, max((k for _, k, _ in active), default=0)):
-            self._decode([(seq, cache) for seq, k, cache in active if k > depth], drafts)
-        return [drafts[seq.seq_id] for seq in seqs]
+        return [[] if seq.params.penalized else [PLACEHOLDER] * k for seq, k in zip(seqs, ks)]
 
-    def _forget_all_but(self, seqs: list[Sequence]) -> None:
-        """Free the caches of sequences no longer decoding (finished or preempted)."""
-        keep = {seq.seq_id for seq in seqs}
-        for seq_id in [s for s in self._caches if s not in keep]:
-            self.blocks.free(self._caches.pop(seq_id).blocks)
-
-    def _catch_up(self, active: list, drafts: dict[int, list[int]]) -> None:
-        """Each sequence's tokens the draft has not computed, its last one proposing, in
-        forwards of at most `--max-num-batched-tokens` tokens, as the target's steps (a
-        prompt longer than that is computed over several)."""
-        budget = self.engine.scheduler.max_num_batched_tokens
-        behind = [(seq, seq.token_slice(cache.computed, seq.num_tokens), cache)
-                  for seq, _, cache in active]
-        while behind:
-            rows, proposers, rest = [], [], []  # proposers: the row's sequence where it ends
-            room = budget                       # its catch-up (its argmax is a proposal)
-            for seq, tokens, cache in behind:
-                piece = tokens[:room]
-                if len(piece):
-                    rows.append((piece, cache.computed, cache))
-                    proposers.append(seq if len(piece) == len(tokens) else None)
-                    room -= len(piece)
-                if len(piece) < len(tokens):
-                    rest.append((seq, tokens[len(piece):], cache))
-            for seq, token in zip(proposers, self._run(rows)):
-                if seq is not None:
-                    drafts[seq.seq_id].append(token)
-            behind = rest
-
-    def _decode(self, group: list[tuple[Sequence, DraftCache]],
-                drafts: dict[int, list[int]]) -> None:
-        """One more proposed token for each sequence of `group`."""
-        rows = [([drafts[seq.seq_id][-1]], cache.computed, cache) for seq, cache in group]
-        for (seq, _), token in zip(group, self._run(rows)):
-            drafts[seq.seq_id].append(token)
-
-    def _run(self, rows: list[tuple[list[int], int, DraftCache]]) -> list[int]:
-        """One draft step: each row's tokens from position `start` on (its cache then holds
-        keys that far); the argmax at each row's last token."""
+    def plan(self, batch: list[Sequence], live: set[int]) -> DraftPlan | None:
+        """The draft's part of the step of `batch` (`live`: the ids of the sequences still
+        running, whose draft positions are kept); None where no sequence generates."""
+        self._computed = {s: n for s, n in self._computed.items() if s in live}
+        rows, tokens, starts, proposing, lengths = [], [], [], [], []
+        first_row = 0  # of the sequence in the step's plan
+        for seq in batch:
+            k = len(seq.draft)
+            end = seq.num_computed + seq.scheduled_tokens - k  # its last token's position + 1
+            if seq.params.pooling is None:
+                start = min(self._computed.get(seq.seq_id, seq.num_computed), seq.num_computed)
+                rows.append(seq)
+                tokens.append(seq.token_slice(start, end))
+                starts.append(start)
+                self._computed[seq.seq_id] = end + max(k - 1, 0)
+                if k:
+                    proposing.append(first_row + end - 1 - seq.num_computed)
+                    lengths.append(k)
+            first_row += seq.scheduled_tokens
         if not rows:
-            return []
-        bs = self.engine.kv_cache.block_size
-        q_lens = np.array([len(tokens) for tokens, _, _ in rows], dtype=np.int64)
-        positions = np.concatenate([np.arange(start, start + len(tokens))
-                                    for tokens, start, _ in rows])
-        tables = np.zeros((len(rows), max(len(c.blocks) for _, _, c in rows)), dtype=np.int64)
-        for i, (_, _, cache) in enumerate(rows):
-            tables[i, :len(cache.blocks)] = cache.blocks
-        plan = StepPlan(np.concatenate([tokens for tokens, _, _ in rows]).astype(np.int64),
-                        positions.astype(np.int64),
-                        slot_mapping(tables, q_lens, positions, bs).astype(np.int64), q_lens,
-                        positions[np.cumsum(q_lens) - 1] + 1, tables,
-                        logit_rows=np.cumsum(q_lens) - 1)
-        logits = self.runner.logits(plan)
-        for tokens, start, cache in rows:
-            cache.computed = start + len(tokens)
-        return logits.argmax(-1).tolist()
+            return None
+        q_lens = np.array([len(t) for t in tokens], dtype=np.int64)
+        positions = np.concatenate([np.arange(s, s + len(t)) for s, t in zip(starts, tokens)]
+                                   ).astype(np.int64)
+        tables = np.zeros((len(rows), max(len(s.blocks) for s in rows)), dtype=np.int64)
+        for i, seq in enumerate(rows):
+            tables[i, :len(seq.blocks)] = seq.blocks
+        ends = np.cumsum(q_lens)
+        logit_rows = np.array([ends[i] - 1 for i, seq in enumerate(rows) if seq.draft],
+                              dtype=np.int64)
+        catch_up = StepPlan(np.concatenate(tokens).astype(np.int64), positions,
+                            slot_mapping(tables, q_lens, positions, self.block_size), q_lens,
+                            positions[ends - 1] + 1, tables, logit_rows=logit_rows)
+        return DraftPlan(catch_up, np.array(proposing, dtype=np.int64),
+                         np.array(lengths, dtype=np.int64))
+
+    @staticmethod
+    def receive(batch: list[Sequence], result: StepResult) -> None:
+        """Each proposing sequence's real draft, from the step's answer (before the commit
+        accepts from it)."""
+        for seq, draft in zip([seq for seq in batch if seq.draft], result.drafts or []):
+            seq.draft = draft

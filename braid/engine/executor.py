@@ -18,6 +18,7 @@ from braid import native
 from braid.config import EngineConfig
 from braid.distributed.ranks import check_not_bootstrapping, launch_ranks
 from braid.distributed.shm import ShmSegment, activation_slot_bytes
+from braid.engine.draft import check_draft_model
 from braid.errors import UserError
 from braid.layers.ggml_weight import keeps_quantized_blocks
 from braid.loader.model_config import ModelConfig
@@ -25,10 +26,8 @@ from braid.loader.weight_cache import prepare_gguf_weights
 from braid.models.registry import model_class
 from braid.step import RankReady, StepPlan, StepResult
 
-# A rank's entry point (`braid.worker.worker.worker_main`), and the class a one-rank model in
-# the driver's own process runs on (the draft model of `--speculative draft`)
+# A rank's entry point (`braid.worker.worker.worker_main`)
 WORKER_MAIN = "braid.worker.worker:worker_main"
-MODEL_RUNNER = "braid.worker.model_runner:ModelRunner"
 
 
 class Executor(Protocol):
@@ -69,6 +68,8 @@ class RankExecutor:
             raise UserError(f"--speculative mtp needs a checkpoint with multi-token-prediction "
                             f"layers (DeepSeek-V3's num_nextn_predict_layers); {config.model} "
                             "has none")
+        if config.speculative.method == "draft":
+            check_draft_model(config, model_config)
         split = model_cls.describe_split(model_config, tp) if tp > 1 else ""
         if split:
             print(f"tp {tp} split: {split}", file=sys.stderr)

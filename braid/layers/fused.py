@@ -88,7 +88,7 @@ class _Kernels:
         self.mode = mode
         self.announce = announce
         self.native = native
-        if self.mode == "on":
+        if self.mode == "on" and self.compiled is None:  # (a draft model's runner: compiled)
             self._compile()
 
     def pick(self, name: str, rows: int) -> Callable:

@@ -36,6 +36,7 @@ from braid.worker.compiled_step import (
     piece_warm_up_plans,
     warm_up_plans,
 )
+from braid.worker.draft import RankDraft
 from braid.worker.kernels import plan_kernels
 from braid.worker.memory import kv_cache_bytes, trimming, weight_bytes
 from braid.worker.mtp import MTPDraft
@@ -120,14 +121,19 @@ class ModelRunner:
         self.pieces: CompiledPieces | None = None
         self.mtp = (None if mtp_layer is None else
                     MTPDraft(mtp_layer, comm, engine.kv_cache.block_size, self.device))
+        self.draft = RankDraft(engine, comm) if engine.speculative.method == "draft" else None
 
     def ready(self) -> RankReady:
         """Whether steps can be compiled here, whether the graphs are saved already, and the
         rank's kernels."""
         not_compiled = self.kernels.not_compiled
-        return RankReady(not_compiled, not_compiled is None and self._decode_step.cached(),
-                         self.kernels.describe(), weight_bytes(self.model),
-                         kv_cache_bytes(self.model), os.getpid(), process_namespace(),
+        runners = [self] + ([self.draft.runner] if self.draft else [])
+        cached = all(r.kernels.not_compiled is not None or r._decode_step.cached()
+                     for r in runners)
+        models = [r.model for r in runners]
+        return RankReady(not_compiled, not_compiled is None and cached,
+                         self.kernels.describe(), sum(map(weight_bytes, models)),
+                         sum(map(kv_cache_bytes, models)), os.getpid(), process_namespace(),
                          decode_graph=not_compiled is None and not self.model.keeps_hidden)
 
     @functools.cached_property
@@ -150,6 +156,12 @@ class ModelRunner:
             return f"steps run eager ({self.kernels.not_compiled})"
         if self.pieces is not None:
             return "compiled steps ready"
+        line = self._compile()
+        if self.draft is not None:
+            line += f"; the draft model's: {self.draft.runner.prepare_compiled()}"
+        return line
+
+    def _compile(self) -> str:
         start = time.perf_counter()
         # The graphs hold the real collectives whatever the last step skipped (--skip-comm): a
         # graph traced over the no-op ones would be saved and loaded by later launches.
@@ -201,6 +213,10 @@ class ModelRunner:
         self.comm.compression = plan.mode.comm_compression
         if plan.mode.choice:
             tracer().instant(plan.mode.choice, "auto")
+        drafts = None
+        if plan.draft is not None:
+            with tracer().span("draft", "A"):
+                drafts = self.draft.fill(plan)
         outputs, path = self._forward(plan)
         result = None
         if self.comm.rank == 0:
@@ -211,7 +227,7 @@ class ModelRunner:
                     mask = receive_mask()
                 waited = time.perf_counter() - start
             result = postprocess(outputs["logits"], plan, self.generator, mask)
-            result.path, result.grammar_wait_s = path, waited
+            result.path, result.grammar_wait_s, result.drafts = path, waited, drafts
             if "pooled" in outputs:
                 result.pooled = outputs["pooled"].cpu().numpy()
         if self.mtp is not None:
