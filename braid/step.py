@@ -90,12 +90,14 @@ class DraftPlan:
     """`--speculative draft`: the draft model's part of a step, run on the ranks before the
     model's forward (`braid.worker.draft`). `catch_up` computes the draft's keys for each
     sequence's tokens it has not computed (the prompt chunk the step computes, or a decoding
-    sequence's tokens accepted since, up to its last one); its logit rows are the last rows of
-    the sequences that propose. Proposing sequence i verifies its draft at the step's rows
-    `rows[i]` (its last token) to `rows[i] + lengths[i]`: the ranks fill those input ids with
-    the draft's greedy tokens, one draft step per token, at those rows' positions and slots."""
+    sequence's tokens accepted since, up to its last one); the argmax of its logits at
+    `proposers[i]` (indices into its logit rows) is proposing sequence i's first token.
+    Sequence i verifies its draft at the step's rows `rows[i]` (its last token) to
+    `rows[i] + lengths[i]`: the ranks fill those input ids with the draft's greedy tokens, one
+    draft step per token, at those rows' positions and slots."""
 
     catch_up: StepPlan
+    proposers: np.ndarray  # [P] int64: each proposing sequence's row of the catch-up's logits
     rows: np.ndarray  # [P] int64: each proposing sequence's last-token row in the step's plan
     lengths: np.ndarray  # [P] int64: the tokens it proposes (>= 1)
 

@@ -383,12 +383,13 @@ def test_a_draft_model_in_the_ranks_decodes_as_without_speculation(tiny_with_dra
 def test_the_drafts_catch_up_computes_each_token_once():
     """A step's draft plan catches the draft up on exactly the tokens it has not computed: a
     prompt chunk's, a decoding sequence's accepted ones up to its last (whose argmax proposes,
-    at the row the step verifies from), and a preempted sequence's from its start again."""
+    at the row the step verifies from), and a preempted sequence's from its start again; a
+    step of decoding sequences alone is decode-shaped."""
     from braid.engine.draft import RankDraftProposer
 
     proposer = RankDraftProposer(block_size=16)
     chunked = Sequence(0, "0", 0, list(range(100, 140)), GREEDY, blocks=[1, 2, 3])
-    decoding = Sequence(1, "1", 0, list(range(200, 210)), GREEDY, blocks=[4])
+    decoding = Sequence(1, "1", 0, list(range(200, 210)), GREEDY, blocks=[4, 5])
     chunked.scheduled_tokens = 16  # its first 16 prompt tokens
     decoding.scheduled_tokens = 10  # its whole prompt
     first = proposer.plan([chunked, decoding], {0, 1})
@@ -404,6 +405,7 @@ def test_the_drafts_catch_up_computes_each_token_once():
     assert catch_up.input_ids.tolist() == list(range(116, 132)) + [50]
     assert catch_up.positions.tolist() == list(range(16, 32)) + [10]
     assert catch_up.logit_rows.tolist() == [16]  # the newest token proposes the first
+    assert second.proposers.tolist() == [0]
     assert second.rows.tolist() == [16] and second.lengths.tolist() == [3]
 
     # The model accepted one proposal (51) and sampled 52; the chunked sequence was preempted
@@ -414,6 +416,21 @@ def test_the_drafts_catch_up_computes_each_token_once():
     # The draft computed 51's key as a proposal, which was accepted: 52 alone is new to it
     assert third.catch_up.input_ids.tolist() == list(range(100, 140)) + [52]
     assert third.catch_up.positions.tolist()[-1] == 12
+
+    # Decoding sequences alone: one decode row per token, every row a logit row (the draft's
+    # decode graph runs it). It proposes 2 and both are accepted: the second and the token
+    # sampled after it are new to the draft
+    decoding.output_ids += [53]
+    decoding.num_computed, decoding.draft, decoding.scheduled_tokens = 13, [0, 0], 3
+    fourth = proposer.plan([decoding], {1})
+    assert fourth.catch_up.logit_rows is None and fourth.proposers.tolist() == [0]
+    decoding.output_ids += [54, 55, 56]
+    decoding.num_computed, decoding.draft, decoding.scheduled_tokens = 16, [0], 2
+    fifth = proposer.plan([decoding], {1})
+    assert fifth.catch_up.input_ids.tolist() == [55, 56]
+    assert fifth.catch_up.q_lens.tolist() == [1, 1]
+    assert fifth.catch_up.kv_lens.tolist() == [16, 17]
+    assert fifth.catch_up.logit_rows is None and fifth.proposers.tolist() == [1]
 
 
 def test_ngram_proposer_skips_a_sequence_without_a_match():

@@ -65,38 +65,50 @@ class RankDraftProposer:
 
     def plan(self, batch: list[Sequence], live: set[int]) -> DraftPlan | None:
         """The draft's part of the step of `batch` (`live`: the ids of the sequences still
-        running, whose draft positions are kept); None where no sequence generates."""
+        running, whose draft positions are kept); None where no sequence generates.
+
+        A decoding sequence's catch-up (its newest token, and those accepted since the draft
+        last computed) is one attention row per token, as a verification is, and then every
+        row is a logit row: a step of decoding sequences alone is decode-shaped, which the
+        draft's decode graph runs."""
         self._computed = {s: n for s, n in self._computed.items() if s in live}
-        rows, tokens, starts, proposing, lengths = [], [], [], [], []
+        attention: list[tuple[Sequence, int, int]] = []  # (sequence, first position, end)
+        last_tokens, rows, lengths = [], [], []  # of the sequences that propose
         first_row = 0  # of the sequence in the step's plan
         for seq in batch:
             k = len(seq.draft)
             end = seq.num_computed + seq.scheduled_tokens - k  # its last token's position + 1
             if seq.params.pooling is None:
                 start = min(self._computed.get(seq.seq_id, seq.num_computed), seq.num_computed)
-                rows.append(seq)
-                tokens.append(seq.token_slice(start, end))
-                starts.append(start)
+                if seq.prompt_done:
+                    attention += [(seq, p, p + 1) for p in range(start, end)]
+                else:
+                    attention.append((seq, start, end))
                 self._computed[seq.seq_id] = end + max(k - 1, 0)
                 if k:
-                    proposing.append(first_row + end - 1 - seq.num_computed)
+                    last_tokens.append(sum(e - s for _, s, e in attention) - 1)
+                    rows.append(first_row + end - 1 - seq.num_computed)
                     lengths.append(k)
             first_row += seq.scheduled_tokens
-        if not rows:
+        if not attention:
             return None
-        q_lens = np.array([len(t) for t in tokens], dtype=np.int64)
-        positions = np.concatenate([np.arange(s, s + len(t)) for s, t in zip(starts, tokens)]
+        q_lens = np.array([end - start for _, start, end in attention], dtype=np.int64)
+        positions = np.concatenate([np.arange(start, end) for _, start, end in attention]
                                    ).astype(np.int64)
-        tables = np.zeros((len(rows), max(len(s.blocks) for s in rows)), dtype=np.int64)
-        for i, seq in enumerate(rows):
+        tables = np.zeros((len(attention), max(len(s.blocks) for s, _, _ in attention)),
+                          dtype=np.int64)
+        for i, (seq, _, _) in enumerate(attention):
             tables[i, :len(seq.blocks)] = seq.blocks
-        ends = np.cumsum(q_lens)
-        logit_rows = np.array([ends[i] - 1 for i, seq in enumerate(rows) if seq.draft],
-                              dtype=np.int64)
-        catch_up = StepPlan(np.concatenate(tokens).astype(np.int64), positions,
+        input_ids = np.array([t for seq, start, end in attention
+                              for t in seq.token_slice(start, end)], dtype=np.int64)
+        last_tokens = np.array(last_tokens, dtype=np.int64)
+        decode_shaped = bool((q_lens == 1).all())
+        catch_up = StepPlan(input_ids, positions,
                             slot_mapping(tables, q_lens, positions, self.block_size), q_lens,
-                            positions[ends - 1] + 1, tables, logit_rows=logit_rows)
-        return DraftPlan(catch_up, np.array(proposing, dtype=np.int64),
+                            np.array([end for _, _, end in attention], dtype=np.int64), tables,
+                            logit_rows=None if decode_shaped else last_tokens)
+        proposers = last_tokens if decode_shaped else np.arange(len(last_tokens))
+        return DraftPlan(catch_up, proposers, np.array(rows, dtype=np.int64),
                          np.array(lengths, dtype=np.int64))
 
     @staticmethod

@@ -48,7 +48,7 @@ class RankDraft:
         draft: DraftPlan = plan.draft
         # The attention row of each of the step's tokens, for the block table it reads
         attention_row = np.repeat(np.arange(len(plan.q_lens)), plan.q_lens)
-        newest = self._greedy(draft.catch_up)  # each sequence's first proposal
+        newest = self._greedy(draft.catch_up, draft.proposers)  # each one's first proposal
         for depth in range(1, int(draft.lengths.max(initial=0)) + 1):
             going = draft.lengths >= depth  # the sequences whose proposal `depth` is `newest`
             plan.input_ids[draft.rows[going] + depth] = newest[going]
@@ -59,16 +59,19 @@ class RankDraft:
                 newest[more] = self._greedy(StepPlan(
                     plan.input_ids[rows], positions, plan.slot_mapping[rows],
                     np.ones(len(rows), dtype=np.int64), positions + 1,
-                    plan.block_tables[attention_row[rows]], logit_rows=np.arange(len(rows))))
+                    plan.block_tables[attention_row[rows]]))
         return [plan.input_ids[row + 1:row + 1 + k].tolist()
                 for row, k in zip(draft.rows.tolist(), draft.lengths.tolist())]
 
-    def _greedy(self, plan: StepPlan) -> np.ndarray:
-        """The draft's argmax at the plan's logit rows, on every rank."""
+    def _greedy(self, plan: StepPlan, rows: np.ndarray | None = None) -> np.ndarray:
+        """The draft's argmax at `rows` of the plan's logits (None: all; a plan with every
+        token a logit row, one decode row each, runs the draft's decode graph), on every
+        rank."""
         logits = self.runner.logits(plan)
-        count = len(plan.logit_rows)
-        local = (logits.argmax(-1) if self.comm.rank == 0
-                 else torch.zeros(count, dtype=torch.int64))
+        count = plan.num_tokens if rows is None else len(rows)
+        local = torch.zeros(count, dtype=torch.int64)
+        if self.comm.rank == 0:
+            local = (logits if rows is None else logits[torch.from_numpy(rows)]).argmax(-1)
         if self.comm.world_size == 1:
             return local.numpy()
         return self.comm.all_gather(local)[:count].numpy().copy()  # (a view of shared memory)
