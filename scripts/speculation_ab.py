@@ -4,6 +4,7 @@ speculation, then a fresh one with it (never both at once), each driven by the s
 median and least, and how many texts are identical (`bench-serving --baseline-file`).
 
     python scripts/speculation_ab.py --tp 2 --dtype fp32 [--speculative ngram] \\
+        [--speculative draft --draft-model PATH] [--server-flags "--model PATH"] \\
         [--dataset-name copy-edit-mmlu --dataset-path ../shared/data/mmlu] [--temperature 1]
 
 Defaults: copy-edit-mmlu from ../shared/data/mmlu, 6 prompts of 1024 tokens asking for 512, at
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--speculative", default="ngram")
+    parser.add_argument("--draft-model", help="--speculative draft's model")
     parser.add_argument("--server-flags", default="", help="more flags for both servers")
     parser.add_argument("--dataset-name", default="copy-edit-mmlu")
     parser.add_argument("--dataset-path", default="../shared/data/mmlu")
@@ -88,8 +90,10 @@ def main() -> None:
     body = None if args.temperature is None else json.dumps({"temperature": args.temperature})
     with tempfile.TemporaryDirectory() as folder:
         baseline = str(Path(folder) / "plain.jsonl")
-        runs = (("plain", [], baseline, None),
-                (args.speculative, ["--speculative", args.speculative], None, baseline))
+        speculative = ["--speculative", args.speculative]
+        if args.draft_model:
+            speculative += ["--draft-model", args.draft_model]
+        runs = (("plain", [], baseline, None), (args.speculative, speculative, None, baseline))
         for tag, flags, output, against in runs:
             port = free_port()
             server = serve(common + flags, port)

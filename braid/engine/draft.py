@@ -18,7 +18,9 @@ leading positions hold the draft's keys: the catch-up starts there (never past t
 computed tokens: a rejected proposal's key, a preempted sequence) and computes up to the step's
 last token of the sequence; a proposal of k tokens then writes the keys of the first k - 1 at
 the positions the model verifies them at. A sequence first planned with a cached prefix trusts
-the draft's keys in those blocks (they were written with the model's).
+the draft's keys in those blocks: they were written with the model's, but for the last token or
+two its sequence accepted if it ended there (a flaw in the draft's proposals, never in the
+outputs, which the model verifies).
 """
 
 from __future__ import annotations
