@@ -88,10 +88,10 @@ class StepMode:
 @dataclass
 class DraftPlan:
     """`--speculative draft`: the draft model's part of a step, run on the ranks before the
-    model's forward (`braid.worker.draft`). `catch_up` computes the draft's keys for each
-    sequence's tokens it has not computed (the prompt chunk the step computes, or a decoding
-    sequence's tokens accepted since, up to its last one); the argmax of its logits at
-    `proposers[i]` (indices into its logit rows) is proposing sequence i's first token.
+    model's forward (`braid.worker.draft`). `catch_up` computes the draft's keys for the
+    tokens it has not computed of each sequence that proposes (up to its newest) or catches up
+    without proposing (a chunk); the argmax of its logits at `proposers[i]` (indices into its
+    logit rows) is proposing sequence i's first token.
     Sequence i verifies its draft at the step's rows `rows[i]` (its last token) to
     `rows[i] + lengths[i]`: the ranks fill those input ids with the draft's greedy tokens, one
     draft step per token, at those rows' positions and slots."""

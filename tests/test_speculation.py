@@ -381,56 +381,67 @@ def test_a_draft_model_in_the_ranks_decodes_as_without_speculation(tiny_with_dra
 
 
 def test_the_drafts_catch_up_computes_each_token_once():
-    """A step's draft plan catches the draft up on exactly the tokens it has not computed: a
-    prompt chunk's, a decoding sequence's accepted ones up to its last (whose argmax proposes,
-    at the row the step verifies from), and a preempted sequence's from its start again; a
-    step of decoding sequences alone is decode-shaped."""
+    """The draft computes only for the sequences that propose: each catches up on exactly the
+    tokens it has not computed (its prompt too, the first time), within the step's budget (a
+    sequence further behind proposes nothing and catches up a chunk); a few tokens run as one
+    decode row each; a rejected proposal's key is computed again."""
     from braid.engine.draft import RankDraftProposer
 
-    proposer = RankDraftProposer(block_size=16)
-    chunked = Sequence(0, "0", 0, list(range(100, 140)), GREEDY, blocks=[1, 2, 3])
-    decoding = Sequence(1, "1", 0, list(range(200, 210)), GREEDY, blocks=[4, 5])
-    chunked.scheduled_tokens = 16  # its first 16 prompt tokens
-    decoding.scheduled_tokens = 10  # its whole prompt
-    first = proposer.plan([chunked, decoding], {0, 1})
-    assert first.catch_up.input_ids.tolist() == list(range(100, 116)) + list(range(200, 210))
-    assert first.catch_up.logit_rows.tolist() == [] and first.rows.tolist() == []
+    proposer = RankDraftProposer(block_size=16, budget=24)
+    short = Sequence(0, "0", 0, list(range(200, 210)), GREEDY, blocks=[1, 5], output_ids=[60])
+    long = Sequence(1, "1", 0, list(range(100, 140)), GREEDY, blocks=[2, 3, 4],
+                    output_ids=[50])
 
-    # Next step: the chunk goes on; the other sampled its first token and proposes 3 more
-    chunked.num_computed, chunked.scheduled_tokens = 16, 16
-    decoding.num_computed, decoding.output_ids = 10, [50]
-    decoding.draft, decoding.scheduled_tokens = [0, 0, 0], 4
-    second = proposer.plan([chunked, decoding], {0, 1})
-    catch_up = second.catch_up
-    assert catch_up.input_ids.tolist() == list(range(116, 132)) + [50]
-    assert catch_up.positions.tolist() == list(range(16, 32)) + [10]
-    assert catch_up.logit_rows.tolist() == [16]  # the newest token proposes the first
-    assert second.proposers.tolist() == [0]
-    assert second.rows.tolist() == [16] and second.lengths.tolist() == [3]
+    def step(k_short: int, k_long: int):
+        for seq in (short, long):
+            seq.num_computed = seq.num_tokens - 1
+        drafts = proposer.propose([short, long], [k_short, k_long])
+        for seq, draft in zip((short, long), drafts):
+            seq.draft, seq.scheduled_tokens = draft, 1 + len(draft)
+        return [len(d) for d in drafts], proposer.plan([short, long], {0, 1})
 
-    # The model accepted one proposal (51) and sampled 52; the chunked sequence was preempted
-    decoding.output_ids += [51, 52]
-    decoding.num_computed, decoding.draft, decoding.scheduled_tokens = 12, [], 1
-    chunked.num_computed, chunked.scheduled_tokens = 0, 40
-    third = proposer.plan([chunked, decoding], {0, 1})
-    # The draft computed 51's key as a proposal, which was accepted: 52 alone is new to it
-    assert third.catch_up.input_ids.tolist() == list(range(100, 140)) + [52]
-    assert third.catch_up.positions.tolist()[-1] == 12
+    # The short one's 11 tokens fit the budget of 24; the long one's 41 do not: 13 of them
+    lengths, plan = step(3, 3)
+    assert lengths == [3, 0]
+    assert plan.catch_up.input_ids.tolist() == list(range(200, 210)) + [60] + list(range(100, 113))
+    assert plan.catch_up.q_lens.tolist() == [11, 13]
+    assert plan.catch_up.logit_rows.tolist() == [10] and plan.proposers.tolist() == [0]
+    assert plan.rows.tolist() == [0] and plan.lengths.tolist() == [3]
 
-    # Decoding sequences alone: one decode row per token, every row a logit row (the draft's
-    # decode graph runs it). It proposes 2 and both are accepted: the second and the token
-    # sampled after it are new to the draft
-    decoding.output_ids += [53]
-    decoding.num_computed, decoding.draft, decoding.scheduled_tokens = 13, [0, 0], 3
-    fourth = proposer.plan([decoding], {1})
-    assert fourth.catch_up.logit_rows is None and fourth.proposers.tolist() == [0]
-    decoding.output_ids += [54, 55, 56]
-    decoding.num_computed, decoding.draft, decoding.scheduled_tokens = 16, [0], 2
-    fifth = proposer.plan([decoding], {1})
-    assert fifth.catch_up.input_ids.tolist() == [55, 56]
-    assert fifth.catch_up.q_lens.tolist() == [1, 1]
-    assert fifth.catch_up.kv_lens.tolist() == [16, 17]
-    assert fifth.catch_up.logit_rows is None and fifth.proposers.tolist() == [1]
+    # The model accepted one proposal (61) and sampled 62: the draft computed 61's key as a
+    # proposal; the long one catches up 23 more
+    short.output_ids += [61, 62]
+    long.output_ids += [51]
+    lengths, plan = step(2, 2)
+    assert lengths == [2, 0]
+    assert plan.catch_up.input_ids.tolist() == [62] + list(range(113, 136))
+    assert plan.catch_up.positions.tolist()[0] == 12
+
+    # Both proposals accepted (63, 64) and 65 sampled: 64 and 65 are new to the draft, one
+    # decode row each; the long one's last 7 tokens now fit, and it proposes
+    short.output_ids += [63, 64, 65]
+    long.output_ids += [52]
+    lengths, plan = step(1, 1)
+    assert lengths == [1, 1]
+    catch_up = plan.catch_up
+    assert catch_up.input_ids.tolist() == [64, 65, 136, 137, 138, 139, 50, 51, 52]
+    assert catch_up.q_lens.tolist() == [1, 1, 7] and catch_up.kv_lens.tolist() == [15, 16, 43]
+    assert catch_up.logit_rows.tolist() == [1, 8] and plan.proposers.tolist() == [0, 1]
+    assert plan.rows.tolist() == [0, 2]
+
+    # Both rejected: their newest alone, decode-shaped (every row a logit row)
+    short.output_ids += [70]
+    long.output_ids += [71]
+    lengths, plan = step(1, 1)
+    assert plan.catch_up.input_ids.tolist() == [70, 71]
+    assert plan.catch_up.logit_rows is None and plan.proposers.tolist() == [0, 1]
+
+    # Asked for nothing: the draft does nothing, and catches up when asked again
+    short.output_ids += [80]
+    long.output_ids += [81]
+    assert step(0, 0) == ([0, 0], None)
+    short.output_ids += [90]
+    assert step(1, 0)[1].catch_up.input_ids.tolist() == [80, 90]
 
 
 def test_ngram_proposer_skips_a_sequence_without_a_match():

@@ -104,7 +104,9 @@ class EngineCore:
             self.layer_proposals = LayerProposals()
             self.speculator = Speculator(self.layer_proposals, 1, step_times_file(config))
         elif config.speculative.method == "draft":
-            self.speculator = Speculator(RankDraftProposer(config.kv_cache.block_size),
+            proposer = RankDraftProposer(config.kv_cache.block_size,
+                                         config.scheduler.max_num_batched_tokens)
+            self.speculator = Speculator(proposer,
                                          config.speculative.num_tokens, step_times_file(config))
 
     def compile_steps(self, job_tokens: int | None = None) -> None:

@@ -13,14 +13,15 @@ A sequence whose sampling reads its token history (penalties) proposes nothing: 
 verification rows' penalties would have to count proposals that the driver learns only after
 the step.
 
+The draft computes only for the sequences that propose (so a step that proposes nothing costs
+the draft nothing): a proposing sequence's catch-up is every token since the draft last
+computed it, up to its newest (its whole prompt and output, the first time), whose argmax is
+the first proposal. Where that does not fit the step's budget (`--max-num-batched-tokens`,
+shared by the step's catch-ups) the sequence proposes nothing this step and catches up a chunk.
 The draft's keys live at the model's slots, so this side tracks, per sequence, how many of its
-leading positions hold the draft's keys: the catch-up starts there (never past the model's own
-computed tokens: a rejected proposal's key, a preempted sequence) and computes up to the step's
-last token of the sequence; a proposal of k tokens then writes the keys of the first k - 1 at
-the positions the model verifies them at. A sequence first planned with a cached prefix trusts
-the draft's keys in those blocks: they were written with the model's, but for the last token or
-two its sequence accepted if it ended there (a flaw in the draft's proposals, never in the
-outputs, which the model verifies).
+leading positions hold them: the catch-up starts there (never past the model's own computed
+tokens: a rejected proposal's key, a preempted sequence), and a proposal of k tokens then
+writes the keys of the first k - 1 at the positions the model verifies them at.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from braid.models.registry import model_class
 from braid.step import DraftPlan, StepPlan, StepResult
 
 PLACEHOLDER = 0  # a proposal's token until the ranks' draft fills it in
+# Catch-ups of at most this many tokens run as one decode row per token (see `plan`)
+DECODE_SHAPED_CATCH_UP = 4
 
 
 def check_draft_model(config: EngineConfig, target: ModelConfig) -> None:
@@ -56,41 +59,65 @@ def check_draft_model(config: EngineConfig, target: ModelConfig) -> None:
 
 class RankDraftProposer:
     """Draft lengths for the ranks' draft model and each step's `DraftPlan` (see the module
-    docstring)."""
+    docstring). `budget`: the most tokens a step's catch-up computes."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, budget: int) -> None:
         self.block_size = block_size
+        self.budget = budget
         self._computed: dict[int, int] = {}  # seq_id -> leading positions with draft keys
+        self._chunks: dict[int, int] = {}  # seq_id -> tokens it catches up this step, unasked
+
+    def _first_uncomputed(self, seq: Sequence) -> int:
+        """The sequence's first position without the draft's key (never past the model's
+        computed tokens: a rejected proposal's key, a preempted sequence)."""
+        return min(self._computed.get(seq.seq_id, 0), seq.num_computed)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
-        return [[] if seq.params.penalized else [PLACEHOLDER] * k for seq, k in zip(seqs, ks)]
+        """Placeholders of the asked lengths where the sequence's catch-up fits what is left
+        of the step's budget; a sequence further behind proposes nothing and catches up a
+        chunk of it instead."""
+        self._chunks = {}
+        room = self.budget
+        drafts: list[list[int]] = []
+        for seq, k in zip(seqs, ks):
+            if not k or seq.params.penalized:
+                drafts.append([])
+                continue
+            behind = seq.num_tokens - self._first_uncomputed(seq)
+            if behind <= room:
+                drafts.append([PLACEHOLDER] * k)
+            else:
+                drafts.append([])
+                if room:
+                    self._chunks[seq.seq_id] = room
+            room -= min(behind, room)
+        return drafts
 
     def plan(self, batch: list[Sequence], live: set[int]) -> DraftPlan | None:
         """The draft's part of the step of `batch` (`live`: the ids of the sequences still
-        running, whose draft positions are kept); None where no sequence generates.
+        running, whose draft positions are kept); None where the draft has nothing to do.
 
-        A decoding sequence's catch-up (its newest token, and those accepted since the draft
-        last computed) is one attention row per token, as a verification is, and then every
-        row is a logit row: a step of decoding sequences alone is decode-shaped, which the
-        draft's decode graph runs."""
+        A catch-up of a few tokens (a decoding sequence's newest, and those accepted since) is
+        one attention row per token, as a verification is, and then every row is a logit row:
+        a step of such catch-ups alone is decode-shaped, which the draft's decode graph runs."""
         self._computed = {s: n for s, n in self._computed.items() if s in live}
         attention: list[tuple[Sequence, int, int]] = []  # (sequence, first position, end)
         last_tokens, rows, lengths = [], [], []  # of the sequences that propose
         first_row = 0  # of the sequence in the step's plan
         for seq in batch:
-            k = len(seq.draft)
-            end = seq.num_computed + seq.scheduled_tokens - k  # its last token's position + 1
-            if seq.params.pooling is None:
-                start = min(self._computed.get(seq.seq_id, seq.num_computed), seq.num_computed)
-                if seq.prompt_done:
+            k, chunk = len(seq.draft), self._chunks.get(seq.seq_id, 0)
+            if k or chunk:
+                start = self._first_uncomputed(seq)
+                end = seq.num_tokens if k else min(start + chunk, seq.num_tokens)
+                if end - start <= DECODE_SHAPED_CATCH_UP:
                     attention += [(seq, p, p + 1) for p in range(start, end)]
                 else:
                     attention.append((seq, start, end))
                 self._computed[seq.seq_id] = end + max(k - 1, 0)
-                if k:
-                    last_tokens.append(sum(e - s for _, s, e in attention) - 1)
-                    rows.append(first_row + end - 1 - seq.num_computed)
-                    lengths.append(k)
+            if k:
+                last_tokens.append(sum(e - s for _, s, e in attention) - 1)
+                rows.append(first_row + seq.scheduled_tokens - k - 1)
+                lengths.append(k)
             first_row += seq.scheduled_tokens
         if not attention:
             return None
