@@ -163,6 +163,7 @@ class StepResult:
     # `--speculative draft`: the tokens the draft proposed for each of `StepPlan.draft`'s
     # sequences, which this step verified
     drafts: list[list[int]] | None = None
+    draft_seconds: float = 0.0  # ... and how long the draft model took for them
 
 
 # How a step ran (`StepResult.path`, reported by benchmarks and `/metrics`): the decode graph,

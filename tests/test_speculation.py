@@ -477,3 +477,24 @@ def test_a_draft_model_that_cannot_draft_is_refused_by_name(tiny_llama):
                             "context of")):
         with pytest.raises(UserError, match=f"--draft-model .* {words}"):
             check_draft_model(config, replace(target, **changed))
+
+
+def test_a_draft_model_is_priced_by_its_forwards():
+    """A draft model explores at depth 1 until its forwards and the steps are timed; then each
+    level of depth costs one measured forward of it: a cheap draft goes as deep as allowed where
+    rows are almost free, a dear one not at all."""
+
+    class Placeholders:
+        def propose(self, seqs, ks):
+            return [[0] * k for k in ks]
+
+    for forward_ms, depth in ((1, 16), (50, 0)):
+        speculator = Speculator(Placeholders(), 16, draft_model=True)
+        seq = Sequence(0, "0", 0, [1, 2, 3], GREEDY)
+        speculator.propose([seq])
+        assert len(seq.draft) == 1  # nothing timed yet
+        for rows in (1, 2, 4, 8, 17) * 3:  # a memory-bound step: 10 ms whatever its rows
+            draft_s = (rows - 1) * forward_ms / 1000
+            speculator.observe_step(rows, 0.010 + draft_s, draft_s, rows - 1)
+        speculator.propose([seq])
+        assert len(seq.draft) == depth

@@ -106,8 +106,8 @@ class EngineCore:
         elif config.speculative.method == "draft":
             proposer = RankDraftProposer(config.kv_cache.block_size,
                                          config.scheduler.max_num_batched_tokens)
-            self.speculator = Speculator(proposer,
-                                         config.speculative.num_tokens, step_times_file(config))
+            self.speculator = Speculator(proposer, config.speculative.num_tokens,
+                                         step_times_file(config), draft_model=True)
 
     def compile_steps(self, job_tokens: int | None = None) -> None:
         """Compile (or load saved) steps where `--compile` asks for them: `on` at once, `auto`
@@ -245,7 +245,9 @@ class EngineCore:
             if self.speculator is not None and (plan.q_lens == 1).all():
                 # The whole step, the proposals and the commit included: what speculation
                 # costs a client, also where the engine's own work competes for the cores
-                self.speculator.observe_step(len(plan.q_lens), time.perf_counter() - start)
+                forwards = 0 if plan.draft is None else int(plan.draft.lengths.max(initial=0))
+                self.speculator.observe_step(len(plan.q_lens), time.perf_counter() - start,
+                                             result.draft_seconds, forwards)
         for delta in deltas:
             if delta.finish_reason is not None:
                 self._forget_if_done(delta.request_id)

@@ -24,7 +24,9 @@ accepted by the scheduler (`Scheduler._record_tokens`); this module only propose
   real lengths). At small batch a row is almost free (the weights are read once either way), at
   large batch on a compute-bound host rows cost what tokens are worth and speculation switches
   itself off. With one count timed, a count up to twice it is assumed to cost the same (beyond, in
-  proportion), so it is tried, timed, and from then on weighed; the timings age out of the window,
+  proportion), so it is tried, timed, and from then on weighed (a draft model's proposals also
+  cost one forward of it per level of depth: its measured seconds per forward are added per
+  level, and until both are timed it proposes one token); the timings age out of the window,
   so a choice is re-probed as the load changes. The window outlasts the launch: it is kept in
   braid's cache per model, settings and host (`step_times_file`), so a new server weighs its
   first drafts by the times measured before instead of trying long ones. A new sequence starts
@@ -280,11 +282,15 @@ class Speculator:
     weighs its first drafts by what it measured before instead of trying long ones."""
 
     def __init__(self, proposer: Proposer, max_tokens: int,
-                 times_file: Path | None = None) -> None:
+                 times_file: Path | None = None, draft_model: bool = False) -> None:
         self.proposer = proposer
         self.max_tokens = max_tokens
         self.times_file = times_file
         self.times = StepTimes(load_step_times(times_file) if times_file else [])
+        # A draft model's proposals cost a forward of it per token of depth: its measured
+        # seconds per forward (an average with decay), None until timed
+        self.draft_model = draft_model
+        self.draft_forward_s: float | None = None
         self.traffic = AcceptanceRate()  # every sequence's verified proposals
         self._drafted = 0  # draft rows of the step last proposed for
         self._last_step: tuple[int, float] | None = None  # its rows and seconds, once timed
@@ -356,14 +362,25 @@ class Speculator:
         depths = np.minimum(np.array(lengths)[None, :], caps[:, None])  # [cap, sequence]
         rows = num_decoding + depths.sum(axis=1)
         seconds = self.times.estimate(rows)
+        if self.draft_model:
+            if seconds is None or self.draft_forward_s is None:
+                return 1  # a draft model explores at depth 1 until both are timed
+            seconds = seconds + caps * self.draft_forward_s
         if seconds is None:
             return longest
         tokens = num_decoding + depths @ np.array(rates)
         return int(caps[np.argmax(tokens / np.maximum(seconds, 1e-9))])
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A decode step of `rows` rows (sequences plus draft tokens) took `seconds`."""
-        self.times.observe(rows, seconds)
+    def observe_step(self, rows: int, seconds: float, draft_seconds: float = 0.0,
+                     draft_forwards: int = 0) -> None:
+        """A decode step of `rows` rows (sequences plus draft tokens) took `seconds`, of which
+        the draft model's `draft_forwards` forwards took `draft_seconds` (the step-time line
+        fits the rest; the ledgers are charged the whole)."""
+        self.times.observe(rows, seconds - draft_seconds)
+        if draft_forwards:
+            per_forward = draft_seconds / draft_forwards
+            self.draft_forward_s = per_forward if self.draft_forward_s is None else (
+                DECAY * self.draft_forward_s + (1 - DECAY) * per_forward)
         self._last_step = rows, seconds
 
     def save(self) -> None:

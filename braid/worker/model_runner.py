@@ -213,10 +213,12 @@ class ModelRunner:
         self.comm.compression = plan.mode.comm_compression
         if plan.mode.choice:
             tracer().instant(plan.mode.choice, "auto")
-        drafts = None
+        drafts, draft_seconds = None, 0.0
         if plan.draft is not None:
+            start = time.perf_counter()
             with tracer().span("draft", "A"):
                 drafts = self.draft.fill(plan)
+            draft_seconds = time.perf_counter() - start
         outputs, path = self._forward(plan)
         result = None
         if self.comm.rank == 0:
@@ -227,7 +229,8 @@ class ModelRunner:
                     mask = receive_mask()
                 waited = time.perf_counter() - start
             result = postprocess(outputs["logits"], plan, self.generator, mask)
-            result.path, result.grammar_wait_s, result.drafts = path, waited, drafts
+            result.path, result.grammar_wait_s = path, waited
+            result.drafts, result.draft_seconds = drafts, draft_seconds
             if "pooled" in outputs:
                 result.pooled = outputs["pooled"].cpu().numpy()
         if self.mtp is not None:
