@@ -73,8 +73,8 @@ def test_compiled_steps_match_transformers_with_and_without_overlap(tp, comm, ti
         assert scheduler.num_draft_tokens > 0  # (the random model copies little)
         assert llm.core.steps_by_path["graph"] > paths["all"]["graph"]
         # ... and so do the proposals of the draft model in the ranks (all accepted), whose
-        # own steps are compiled too
-        llm.core.speculator = drafting
+        # own steps are compiled too (priced as free, so that it drafts at every step)
+        llm.core.speculator = Speculator(drafting.proposer, 8)
         for overlap in ("off", "on") if tp > 1 else ("off",):
             accepted, drafted = scheduler.num_accepted_tokens, scheduler.num_draft_tokens
             assert greedy(llm, overlap) == ref_greedy
