@@ -17,6 +17,7 @@ from braid.engine.request import SamplingParams, Sequence
 from braid.engine.scheduler import Scheduler
 from braid.engine.speculation import (
     LEDGER_DRAFTS,
+    MIN_TIMINGS,
     PAUSE_STEPS,
     AcceptanceRate,
     NgramIndex,
@@ -357,6 +358,8 @@ def test_a_draft_model_in_the_ranks_decodes_as_without_speculation(tiny_with_dra
                                      max_total_tokens=cache_tokens, speculative_tokens=4,
                                      compile="off", **speculation)
         core = EngineCore(config, runner.config, RunnerExecutor(runner))
+        if core.speculator is not None:  # priced as free: it drafts at every step
+            core.speculator = Speculator(core.speculator.proposer, 4)
         return run_requests(core, prompts, params, eos=-1), core.scheduler
 
     runner.draft = drafts[draft]
@@ -480,9 +483,9 @@ def test_a_draft_model_that_cannot_draft_is_refused_by_name(tiny_llama):
 
 
 def test_a_draft_model_is_priced_by_its_forwards():
-    """A draft model explores at depth 1 until its forwards and the steps are timed; then each
-    level of depth costs one measured forward of it: a cheap draft goes as deep as allowed where
-    rows are almost free, a dear one not at all."""
+    """A draft model proposes nothing until plain steps are timed, then one token until its
+    forwards are; then each level of depth costs one measured forward of it: a cheap draft
+    goes as deep as allowed where rows are almost free, a dear one not at all."""
 
     class Placeholders:
         def propose(self, seqs, ks):
@@ -491,8 +494,12 @@ def test_a_draft_model_is_priced_by_its_forwards():
     for forward_ms, depth in ((1, 16), (50, 0)):
         speculator = Speculator(Placeholders(), 16, draft_model=True)
         seq = Sequence(0, "0", 0, [1, 2, 3], GREEDY)
-        speculator.propose([seq])
-        assert len(seq.draft) == 1  # nothing timed yet
+        drafts = []
+        for _ in range(2 * MIN_TIMINGS):
+            speculator.propose([seq])
+            drafts.append(len(seq.draft))
+            speculator.observe_step(1 + len(seq.draft), 0.010, 0.0, len(seq.draft))
+        assert drafts == [0] * MIN_TIMINGS + [1] * MIN_TIMINGS
         for rows in (1, 2, 4, 8, 17) * 3:  # a memory-bound step: 10 ms whatever its rows
             draft_s = (rows - 1) * forward_ms / 1000
             speculator.observe_step(rows, 0.010 + draft_s, draft_s, rows - 1)

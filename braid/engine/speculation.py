@@ -25,8 +25,9 @@ accepted by the scheduler (`Scheduler._record_tokens`); this module only propose
   large batch on a compute-bound host rows cost what tokens are worth and speculation switches
   itself off. With one count timed, a count up to twice it is assumed to cost the same (beyond, in
   proportion), so it is tried, timed, and from then on weighed (a draft model's proposals also
-  cost one forward of it per level of depth: its measured seconds per forward are added per
-  level, and until both are timed it proposes one token); the timings age out of the window,
+  cost one forward of it per level of depth: the median of its latest steps' seconds per
+  forward is added per level; it proposes nothing until plain steps are timed, then one token
+  until its forwards are); the timings age out of the window,
   so a choice is re-probed as the load changes. The window outlasts the launch: it is kept in
   braid's cache per model, settings and host (`step_times_file`), so a new server weighs its
   first drafts by the times measured before instead of trying long ones. A new sequence starts
@@ -77,6 +78,7 @@ TIMES_WINDOW = 256  # latest decode steps whose times `StepTimes` keeps
 # Timings a row count needs before it is weighed: its first step may pay for the GEMM
 # library's kernels for that shape (tens of ms), which alone would rule it out for good
 MIN_TIMINGS = 3
+DRAFT_WINDOW = 16  # latest draft-model steps whose seconds per forward are kept
 LEDGER_DRAFTS = 8  # verified drafts of a sequence between two judgements of its ledger
 PAUSE_STEPS = 16  # steps a losing sequence proposes nothing, doubled at each loss ...
 MAX_PAUSE_STEPS = 1024  # ... up to this
@@ -287,10 +289,10 @@ class Speculator:
         self.max_tokens = max_tokens
         self.times_file = times_file
         self.times = StepTimes(load_step_times(times_file) if times_file else [])
-        # A draft model's proposals cost a forward of it per token of depth: its measured
-        # seconds per forward (an average with decay), None until timed
+        # A draft model's proposals cost a forward of it per token of depth: its latest
+        # steps' seconds per forward (a step's first forward may catch a prompt up: the median)
         self.draft_model = draft_model
-        self.draft_forward_s: float | None = None
+        self._draft_forwards: deque[float] = deque(maxlen=DRAFT_WINDOW)
         self.traffic = AcceptanceRate()  # every sequence's verified proposals
         self._drafted = 0  # draft rows of the step last proposed for
         self._last_step: tuple[int, float] | None = None  # its rows and seconds, once timed
@@ -363,9 +365,11 @@ class Speculator:
         rows = num_decoding + depths.sum(axis=1)
         seconds = self.times.estimate(rows)
         if self.draft_model:
-            if seconds is None or self.draft_forward_s is None:
-                return 1  # a draft model explores at depth 1 until both are timed
-            seconds = seconds + caps * self.draft_forward_s
+            if seconds is None:  # the plain steps first
+                return 0
+            if len(self._draft_forwards) < MIN_TIMINGS:  # then the draft, at depth 1
+                return 1
+            seconds = seconds + caps * float(np.median(self._draft_forwards))
         if seconds is None:
             return longest
         tokens = num_decoding + depths @ np.array(rates)
@@ -378,9 +382,7 @@ class Speculator:
         fits the rest; the ledgers are charged the whole)."""
         self.times.observe(rows, seconds - draft_seconds)
         if draft_forwards:
-            per_forward = draft_seconds / draft_forwards
-            self.draft_forward_s = per_forward if self.draft_forward_s is None else (
-                DECAY * self.draft_forward_s + (1 - DECAY) * per_forward)
+            self._draft_forwards.append(draft_seconds / draft_forwards)
         self._last_step = rows, seconds
 
     def save(self) -> None:
