@@ -75,4 +75,3 @@ class RankDraft:
         if self.comm.world_size == 1:
             return local.numpy()
         return self.comm.all_gather(local)[:count].numpy().copy()  # (a view of shared memory)
-
