@@ -104,6 +104,7 @@ class RankDraftProposer:
         attention: list[tuple[Sequence, int, int]] = []  # (sequence, first position, end)
         last_tokens, rows, lengths = [], [], []  # of the sequences that propose
         first_row = 0  # of the sequence in the step's plan
+        catch_up_tokens = 0
         for seq in batch:
             k, chunk = len(seq.draft), self._chunks.get(seq.seq_id, 0)
             if k or chunk:
@@ -113,9 +114,10 @@ class RankDraftProposer:
                     attention += [(seq, p, p + 1) for p in range(start, end)]
                 else:
                     attention.append((seq, start, end))
+                catch_up_tokens += end - start
                 self._computed[seq.seq_id] = end + max(k - 1, 0)
             if k:
-                last_tokens.append(sum(e - s for _, s, e in attention) - 1)
+                last_tokens.append(catch_up_tokens - 1)
                 rows.append(first_row + seq.scheduled_tokens - k - 1)
                 lengths.append(k)
             first_row += seq.scheduled_tokens
