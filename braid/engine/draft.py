@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from braid.config import EngineConfig
-from braid.engine.plan import slot_mapping
+from braid.engine.plan import attention_layout
 from braid.engine.request import Sequence
 from braid.errors import UserError
 from braid.loader.model_config import ModelConfig, load_model_config
@@ -123,20 +123,12 @@ class RankDraftProposer:
             first_row += seq.scheduled_tokens
         if not attention:
             return None
-        q_lens = np.array([end - start for _, start, end in attention], dtype=np.int64)
-        positions = np.concatenate([np.arange(start, end) for _, start, end in attention]
-                                   ).astype(np.int64)
-        tables = np.zeros((len(attention), max(len(s.blocks) for s, _, _ in attention)),
-                          dtype=np.int64)
-        for i, (seq, _, _) in enumerate(attention):
-            tables[i, :len(seq.blocks)] = seq.blocks
+        q_lens, kv_lens, positions, tables, slots = attention_layout(attention, self.block_size)
         input_ids = np.array([t for seq, start, end in attention
                               for t in seq.token_slice(start, end)], dtype=np.int64)
         last_tokens = np.array(last_tokens, dtype=np.int64)
         decode_shaped = bool((q_lens == 1).all())
-        catch_up = StepPlan(input_ids, positions,
-                            slot_mapping(tables, q_lens, positions, self.block_size), q_lens,
-                            np.array([end for _, _, end in attention], dtype=np.int64), tables,
+        catch_up = StepPlan(input_ids, positions, slots, q_lens, kv_lens, tables,
                             logit_rows=None if decode_shaped else last_tokens)
         proposers = last_tokens if decode_shaped else np.arange(len(last_tokens))
         return DraftPlan(catch_up, proposers, np.array(rows, dtype=np.int64),

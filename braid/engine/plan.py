@@ -53,22 +53,31 @@ def slot_mapping(tables: np.ndarray, q_lens: np.ndarray, positions: np.ndarray,
     return tables[rows, positions // block_size] * block_size + positions % block_size
 
 
+def attention_layout(attention: list[tuple[Sequence, int, int]], block_size: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """q_lens, kv_lens, positions, block tables and slots of attention rows, each a sequence's
+    tokens [start, end) (as `StepPlan` holds them)."""
+    q_lens = np.array([end - start for _, start, end in attention], dtype=np.int64)
+    kv_lens = np.array([end for _, _, end in attention], dtype=np.int64)
+    positions = np.concatenate([np.arange(start, end) for _, start, end in attention]
+                               ).astype(np.int64)
+    tables = np.zeros((len(attention), max(len(s.blocks) for s, _, _ in attention)),
+                      dtype=np.int64)
+    for row, (seq, _, _) in enumerate(attention):
+        tables[row, :len(seq.blocks)] = seq.blocks
+    return q_lens, kv_lens, positions, tables, slot_mapping(tables, q_lens, positions,
+                                                            block_size)
+
+
 def build_plan(batch: list[Sequence], block_size: int,
                step_id: int) -> tuple[StepPlan, list[SequenceRows]]:
     """The plan of one step in which each sequence computes its `scheduled_tokens` tokens
     (its last token and its draft, for a sequence with a draft)."""
     attention = [(seq, start, end) for seq in batch for start, end in _attention_rows(seq)]
-    q_lens = np.array([end - start for _, start, end in attention], dtype=np.int64)
-    kv_lens = np.array([end for _, _, end in attention], dtype=np.int64)
-    positions = np.concatenate([np.arange(start, end) for _, start, end in attention]
-                               ).astype(np.int64)
+    q_lens, kv_lens, positions, tables, slots = attention_layout(attention, block_size)
     input_ids = np.array([t for seq in batch for t in seq.token_slice(
         seq.num_computed, seq.num_computed + seq.scheduled_tokens - len(seq.draft)) + seq.draft],
         dtype=np.int64)
-    tables = np.zeros((len(attention), max(len(s.blocks) for s in batch)), dtype=np.int64)
-    for row, (seq, _, _) in enumerate(attention):
-        tables[row, :len(seq.blocks)] = seq.blocks
-    slots = slot_mapping(tables, q_lens, positions, block_size)
 
     logit_rows: list[int] = []
     sampled: list[tuple[Sequence, int]] = []  # (sequence, how many draft tokens precede)
