@@ -101,6 +101,12 @@ class DraftPlan:
     rows: np.ndarray  # [P] int64: each proposing sequence's last-token row in the step's plan
     lengths: np.ndarray  # [P] int64: the tokens it proposes (>= 1)
 
+    def forward_rows(self) -> list[int]:
+        """The rows of each of the draft's forwards: the catch-up's tokens, then one per
+        sequence proposing a further token, for each level of depth."""
+        levels = np.arange(2, int(self.lengths.max(initial=0)) + 1)
+        return [self.catch_up.num_tokens] + [int((self.lengths >= d).sum()) for d in levels]
+
 
 @dataclass
 class StepPlan:
@@ -163,7 +169,8 @@ class StepResult:
     # `--speculative draft`: the tokens the draft proposed for each of `StepPlan.draft`'s
     # sequences, which this step verified
     drafts: list[list[int]] | None = None
-    draft_seconds: float = 0.0  # ... and how long the draft model took for them
+    # ... and the seconds of each of the draft model's forwards (`DraftPlan.forward_rows`)
+    draft_seconds: list[float] = field(default_factory=list)
 
 
 # How a step ran (`StepResult.path`, reported by benchmarks and `/metrics`): the decode graph,

@@ -360,7 +360,12 @@ def test_a_draft_model_in_the_ranks_decodes_as_without_speculation(tiny_with_dra
         core = EngineCore(config, runner.config, RunnerExecutor(runner))
         if core.speculator is not None:  # priced as free: it drafts at every step
             core.speculator = Speculator(core.speculator.proposer, 4)
+            # ... but each of the draft's forwards is timed, for its price
+            core.speculator.observe_draft = lambda plan, seconds: timed.append(
+                len(plan.forward_rows()) == len(seconds) and all(s > 0 for s in seconds))
         return run_requests(core, prompts, params, eos=-1), core.scheduler
+
+    timed: list[bool] = []
 
     runner.draft = drafts[draft]
     try:
@@ -372,7 +377,7 @@ def test_a_draft_model_in_the_ranks_decodes_as_without_speculation(tiny_with_dra
                 outputs, scheduler = generate(params, cache_tokens, speculative="draft",
                                               draft_model=drafts[draft].runner.engine.model)
                 assert outputs == plain
-                assert scheduler.num_draft_tokens > 0
+                assert scheduler.num_draft_tokens > 0 and timed and all(timed)
                 if draft == "same" and params.temperature == 0:
                     assert scheduler.num_accepted_tokens == scheduler.num_draft_tokens
                 elif draft == "same":  # sampled: some accepted, some not
@@ -482,26 +487,52 @@ def test_a_draft_model_that_cannot_draft_is_refused_by_name(tiny_llama):
             check_draft_model(config, replace(target, **changed))
 
 
+class Placeholders:
+    """A draft model's proposer without the model: placeholders for drafts, and the tokens
+    each sequence's draft has not computed (one by default: a caught-up sequence's newest)."""
+
+    def __init__(self, behind: dict[int, int] | None = None) -> None:
+        self.behind_by_id = behind or {}
+
+    def behind(self, seq: Sequence) -> int:
+        return self.behind_by_id.get(seq.seq_id, 1)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        return [[0] * k for k in ks]
+
+
 def test_a_draft_model_is_priced_by_its_forwards():
-    """A draft model proposes nothing until plain steps are timed, then one token until its
-    forwards are; then each level of depth costs one measured forward of it: a cheap draft
-    goes as deep as allowed where rows are almost free, a dear one not at all."""
-
-    class Placeholders:
-        def propose(self, seqs, ks):
-            return [[0] * k for k in ks]
-
+    """A draft model proposes nothing until plain steps are timed, then for one sequence, one
+    token, until its forwards are; then each level of depth costs a forward of its rows: a
+    cheap draft goes as deep as allowed where rows are almost free, a dear one not at all."""
     for forward_ms, depth in ((1, 16), (50, 0)):
         speculator = Speculator(Placeholders(), 16, draft_model=True)
-        seq = Sequence(0, "0", 0, [1, 2, 3], GREEDY)
+        seqs = [Sequence(i, str(i), i, [1, 2, 3], GREEDY) for i in range(2)]
         drafts = []
         for _ in range(2 * MIN_TIMINGS):
-            speculator.propose([seq])
-            drafts.append(len(seq.draft))
-            speculator.observe_step(1 + len(seq.draft), 0.010, 0.0, len(seq.draft))
-        assert drafts == [0] * MIN_TIMINGS + [1] * MIN_TIMINGS
-        for rows in (1, 2, 4, 8, 17) * 3:  # a memory-bound step: 10 ms whatever its rows
-            draft_s = (rows - 1) * forward_ms / 1000
-            speculator.observe_step(rows, 0.010 + draft_s, draft_s, rows - 1)
-        speculator.propose([seq])
-        assert len(seq.draft) == depth
+            speculator.propose(seqs)
+            drafts.append([len(seq.draft) for seq in seqs])
+            if any(drafts[-1]):
+                speculator.draft.observe([1], [forward_ms / 1000], short_catch_up=True)
+            speculator.observe_step(2 + sum(drafts[-1]), 0.010)
+        assert drafts == [[0, 0]] * MIN_TIMINGS + [[1, 0]] * MIN_TIMINGS
+        for rows in (2, 4, 8, 18) * 4:  # a memory-bound step: 10 ms whatever its rows
+            speculator.observe_step(rows, 0.010)
+        speculator.propose(seqs)
+        assert [len(seq.draft) for seq in seqs] == [depth] * 2
+
+
+def test_a_draft_model_catches_up_only_where_the_rest_of_the_output_repays_it():
+    """Two sequences whose prompts the draft has not read (256 tokens, 0.5 ms a token to
+    catch up): the one with 1,000 tokens left proposes, the one with 8 left does not (its
+    catch-up costs more than drafting would save it); a caught-up one proposes either way."""
+    speculator = Speculator(Placeholders({0: 256, 1: 256}), 16, draft_model=True)
+    for rows in (2, 4, 8, 18) * 3:  # a memory-bound step: 10 ms whatever its rows
+        speculator.observe_step(rows, 0.010)
+    for count in (1, 2, 4, 8) * 3:
+        speculator.draft.observe([count], [0.001], short_catch_up=True)
+    speculator.draft.observe([256], [0.128], short_catch_up=False)
+    seqs = [Sequence(i, str(i), i, [1, 2, 3], SamplingParams(max_new_tokens=tokens))
+            for i, tokens in enumerate((8, 1000, 8))]
+    speculator.propose(seqs)
+    assert [len(seq.draft) > 0 for seq in seqs] == [False, True, True]

@@ -242,12 +242,13 @@ class EngineCore:
             deltas += self.scheduler.commit(batch, layout, result)
             if self.layer_proposals is not None:
                 self.layer_proposals.receive(batch, layout, result.proposals)
+            if plan.draft is not None:
+                self.speculator.observe_draft(plan.draft, result.draft_seconds)
             if self.speculator is not None and (plan.q_lens == 1).all():
                 # The whole step, the proposals and the commit included: what speculation
                 # costs a client, also where the engine's own work competes for the cores
-                forwards = 0 if plan.draft is None else int(plan.draft.lengths.max(initial=0))
                 self.speculator.observe_step(len(plan.q_lens), time.perf_counter() - start,
-                                             result.draft_seconds, forwards)
+                                             sum(result.draft_seconds))
         for delta in deltas:
             if delta.finish_reason is not None:
                 self._forget_if_done(delta.request_id)

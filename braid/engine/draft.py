@@ -72,6 +72,10 @@ class RankDraftProposer:
         computed tokens: a rejected proposal's key, a preempted sequence)."""
         return min(self._computed.get(seq.seq_id, 0), seq.num_computed)
 
+    def behind(self, seq: Sequence) -> int:
+        """The sequence's tokens the draft has not computed: its catch-up were it to propose."""
+        return seq.num_tokens - self._first_uncomputed(seq)
+
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         """Placeholders of the asked lengths where the sequence's catch-up fits what is left
         of the step's budget; a sequence further behind proposes nothing and catches up a
@@ -83,7 +87,7 @@ class RankDraftProposer:
             if not k or seq.params.penalized:
                 drafts.append([])
                 continue
-            behind = seq.num_tokens - self._first_uncomputed(seq)
+            behind = self.behind(seq)
             if behind <= room:
                 drafts.append([PLACEHOLDER] * k)
             else:

@@ -24,16 +24,22 @@ accepted by the scheduler (`Scheduler._record_tokens`); this module only propose
   real lengths). At small batch a row is almost free (the weights are read once either way), at
   large batch on a compute-bound host rows cost what tokens are worth and speculation switches
   itself off. With one count timed, a count up to twice it is assumed to cost the same (beyond, in
-  proportion), so it is tried, timed, and from then on weighed (a draft model's proposals also
-  cost one forward of it per level of depth: the median of its latest steps' seconds per
-  forward is added per level; it proposes nothing until plain steps are timed, then one token
-  until its forwards are); the timings age out of the window,
-  so a choice is re-probed as the load changes. The window outlasts the launch: it is kept in
-  braid's cache per model, settings and host (`step_times_file`), so a new server weighs its
-  first drafts by the times measured before instead of trying long ones. A new sequence starts
-  from the rate of the sequences before it (a new random-text request does not propose 16
-  tokens just to learn it should not), and a sequence, like that shared rate, drifts back
-  toward 0.5 while it does not propose, so text that turns repetitive later is tried again.
+  proportion), so it is tried, timed, and from then on weighed; the timings age out of the
+  window, so a choice is re-probed as the load changes. The window outlasts the launch: it is
+  kept in braid's cache per model, settings and host (`step_times_file`), with a draft
+  model's, so a new server weighs its first drafts by the times measured before instead of
+  trying them. A new sequence starts from the rate of the sequences before it (a new
+  random-text request does not propose 16 tokens just to learn it should not), and a
+  sequence, like that shared rate, drifts back toward 0.5 while it does not propose, so text
+  that turns repetitive later is tried again.
+- **A draft model** (`DraftCosts`) also costs its forwards: one per level of depth, each a
+  line in its rows as the model's steps are (the sequences still proposing at that level),
+  and a catch-up of the tokens it has not computed (a prompt, the first time), per token. So
+  a sequence behind proposes only where that catch-up costs less than drafting is expected to
+  save it over the tokens it has left, at the saving per token of the batch's best depth: a
+  long output repays reading its prompt, a short one in a full batch does not. Before the
+  draft's forwards are timed only one sequence explores (the one least behind, one token
+  deep), so a fresh server does not pay a catch-up of every prompt in its first batch.
 - **A ledger per sequence.** The expectation can be wrong for one request (its drafts accepted
   less than its rate says, its rows dearer than the line), so each sequence also keeps what its
   verified drafts earned and cost, in seconds: its accepted tokens at the plain cost of a
@@ -68,6 +74,7 @@ from braid.cache import (
 from braid.config import EngineConfig
 from braid.engine.request import Sequence
 from braid.platform import isa_flags, usable_cores
+from braid.step import DraftPlan
 
 PRIOR_RATE = 0.5  # the acceptance rate before any draft was verified
 DECAY = 0.8  # per verified step: the rate follows the last few steps' text
@@ -78,7 +85,10 @@ TIMES_WINDOW = 256  # latest decode steps whose times `StepTimes` keeps
 # Timings a row count needs before it is weighed: its first step may pay for the GEMM
 # library's kernels for that shape (tens of ms), which alone would rule it out for good
 MIN_TIMINGS = 3
-DRAFT_WINDOW = 16  # latest draft-model steps whose seconds per forward are kept
+DRAFT_WINDOW = 16  # latest catch-ups of a draft model whose seconds per token are kept
+# A catch-up of at most this many tokens (a caught-up sequence's newest) is decode rows
+# (`engine/draft.py`); a longer one is priced per token
+SHORT_CATCH_UP = 4
 LEDGER_DRAFTS = 8  # verified drafts of a sequence between two judgements of its ledger
 PAUSE_STEPS = 16  # steps a losing sequence proposes nothing, doubled at each loss ...
 MAX_PAUSE_STEPS = 1024  # ... up to this
@@ -88,6 +98,14 @@ class Proposer(Protocol):
     """Proposes up to k tokens to follow each sequence's tokens."""
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]: ...
+
+
+class ModelProposer(Proposer, Protocol):
+    """A draft model's proposer, which computes a sequence's tokens before it proposes."""
+
+    def behind(self, seq: Sequence) -> int:
+        """The sequence's tokens the draft has not computed."""
+        ...
 
 
 @dataclass
@@ -278,6 +296,48 @@ class StepTimes:
         return float(base), float(slope), None
 
 
+class DraftCosts:
+    """What a draft model's forwards cost, from its timed steps: a forward of decode rows (one
+    per proposing sequence at a level of depth, or per token of a short catch-up) as a line in
+    its rows, as the model's steps are (`StepTimes`), and a longer catch-up (a prompt the
+    draft has not seen) by its seconds per token. `saved`: `samples()` of a previous launch."""
+
+    def __init__(self, saved: dict | None = None) -> None:
+        saved = saved or {}
+        self.forwards = StepTimes(saved.get("forwards", ()))
+        self._catch_up: deque[float] = deque(saved.get("catch_up", ()), maxlen=DRAFT_WINDOW)
+
+    def observe(self, rows: list[int], seconds: list[float], short_catch_up: bool) -> None:
+        """A step's draft forwards: their rows and seconds, the catch-up's first (decode rows
+        where `short_catch_up`)."""
+        if not short_catch_up:
+            self._catch_up.append(seconds[0] / rows[0])
+            rows, seconds = rows[1:], seconds[1:]
+        for count, forward_seconds in zip(rows, seconds):
+            self.forwards.observe(count, forward_seconds)
+
+    def depth_seconds(self, first_rows: int, lengths: np.ndarray) -> np.ndarray | None:
+        """Seconds of the draft's forwards at each depth cap 0, 1, ... max(lengths) for
+        sequences proposing `lengths` tokens, `first_rows` rows in the first forward (None
+        before a count of rows was timed enough)."""
+        levels = np.arange(1, int(lengths.max(initial=0)) + 1)
+        rows = (lengths[None, :] >= levels[:, None]).sum(axis=1)
+        rows[:1] = np.maximum(rows[:1], first_rows)
+        seconds = self.forwards.estimate(rows)
+        return None if seconds is None else np.concatenate([[0.0], np.cumsum(seconds)])
+
+    def catch_up_seconds(self, tokens: int) -> float | None:
+        """Expected seconds of a catch-up of `tokens` tokens: per token as the latest ones,
+        or, before one was timed, as a forward of that many decode rows (None: neither)."""
+        if self._catch_up:
+            return tokens * float(np.median(self._catch_up))
+        estimate = self.forwards.estimate(np.array([tokens], dtype=np.float64))
+        return None if estimate is None else float(estimate[0])
+
+    def samples(self) -> dict:
+        return {"forwards": self.forwards.samples(), "catch_up": list(self._catch_up)}
+
+
 class Speculator:
     """Sets each decoding sequence's draft before the scheduler plans a step. `times_file`:
     where the step times are kept between launches (`step_times_file`), so that a new server
@@ -288,11 +348,11 @@ class Speculator:
         self.proposer = proposer
         self.max_tokens = max_tokens
         self.times_file = times_file
-        self.times = StepTimes(load_step_times(times_file) if times_file else [])
-        # A draft model's proposals cost a forward of it per token of depth: its latest
-        # steps' seconds per forward (a step's first forward may catch a prompt up: the median)
-        self.draft_model = draft_model
-        self._draft_forwards: deque[float] = deque(maxlen=DRAFT_WINDOW)
+        saved = load_saved_times(times_file) if times_file else {}
+        self.times = StepTimes(saved.get("steps", ()))
+        # A draft model's proposals also cost its forwards, and its catch-up of the tokens it
+        # has not computed (the proposer is then a `ModelProposer`)
+        self.draft = DraftCosts(saved.get("draft")) if draft_model else None
         self.traffic = AcceptanceRate()  # every sequence's verified proposals
         self._drafted = 0  # draft rows of the step last proposed for
         self._last_step: tuple[int, float] | None = None  # its rows and seconds, once timed
@@ -326,12 +386,16 @@ class Speculator:
                 ks.append(room)
         if not verified:
             self.traffic.relax()
+        first_rows = 0
+        if self.draft is not None:
+            seqs, ks, first_rows = self._drafted_by_model(len(decoding), seqs, ks)
         rates = [s.speculation.acceptance.rate for s in seqs]
         # The cap as if every draft were as long as asked, before drafting: a costly proposer
         # (a draft model) drafts no deeper than a step can pay for, or not at all
-        most = self._best_cap(len(decoding), rates, ks)
+        most = self._best_cap(len(decoding), rates, ks, first_rows)
         drafts = self.proposer.propose(seqs, [min(k, most) for k in ks])  # also when empty:
-        cap = self._best_cap(len(decoding), rates, [len(d) for d in drafts])  # it frees state
+        cap = self._best_cap(len(decoding), rates, [len(d) for d in drafts],  # it frees state
+                             first_rows)
         for seq, draft in zip(seqs, drafts):
             seq.draft = draft[:cap]
             seq.speculation.proposed = len(seq.draft)
@@ -355,43 +419,81 @@ class Speculator:
         per_row = slope_rows / self._drafted
         return base / plain, seconds, lambda drafted: fitted[1] - per_row * drafted
 
-    def _best_cap(self, num_decoding: int, rates: list[float], lengths: list[int]) -> int:
-        """The depth cap whose step yields the most tokens per measured second."""
+    def _drafted_by_model(self, num_decoding: int, seqs: list[Sequence], ks: list[int]
+                          ) -> tuple[list[Sequence], list[int], int]:
+        """Which of `seqs` a draft model proposes for, how deep at most, and the rows of its
+        first forward: none before plain steps are timed; then the one least behind, one
+        token deep, until the draft's forwards are; then each sequence caught up, and each
+        one behind whose catch-up costs less than drafting is expected to save it over the
+        tokens it has left (at the saving per token of this batch's best depth)."""
+        plain = self.times.estimate(np.array([num_decoding], dtype=np.float64))
+        if plain is None or not seqs:
+            return [], [], 0
+        behind = np.array([self.proposer.behind(seq) for seq in seqs])
+        if self.draft.forwards.estimate(np.ones(1)) is None:
+            first = int(np.argmin(behind))
+            return [seqs[first]], [1], 1
+        short = np.clip(behind, 1, SHORT_CATCH_UP)  # a longer catch-up's cost is its own
+        yields = self._yields(num_decoding, [seq.speculation.acceptance.rate for seq in seqs],
+                              ks, int(short.sum()))
+        saved_per_token = plain[0] / num_decoding * (1 - yields[0] / yields.max())
+        kept = [i for i, seq in enumerate(seqs) if behind[i] <= SHORT_CATCH_UP
+                or self.draft.catch_up_seconds(int(behind[i]))
+                < saved_per_token * (seq.params.max_new_tokens - len(seq.output_ids))]
+        return [seqs[i] for i in kept], [ks[i] for i in kept], int(short[kept].sum())
+
+    def _yields(self, num_decoding: int, rates: list[float], lengths: list[int],
+                first_rows: int = 0) -> np.ndarray | None:
+        """The tokens per second a step is expected to yield at each depth cap 0, 1, ... the
+        longest draft (`first_rows`: a draft model's first forward's; None before the step's
+        row counts, or a draft model's forwards, are timed)."""
+        lengths = np.array(lengths, dtype=np.int64)
+        caps = np.arange(int(lengths.max(initial=0)) + 1)
+        depths = np.minimum(lengths[None, :], caps[:, None])  # [cap, sequence]
+        seconds = self.times.estimate(num_decoding + depths.sum(axis=1))
+        if seconds is not None and self.draft is not None:
+            drafting = self.draft.depth_seconds(first_rows, lengths)
+            seconds = None if drafting is None else seconds + drafting
+        if seconds is None:
+            return None
+        tokens = num_decoding + depths @ np.array(rates, dtype=np.float64)
+        return tokens / np.maximum(seconds, 1e-9)
+
+    def _best_cap(self, num_decoding: int, rates: list[float], lengths: list[int],
+                  first_rows: int = 0) -> int:
+        """The depth cap whose step yields the most tokens per measured second (before the
+        times are known: the longest draft, or for a draft model one token)."""
         longest = max(lengths, default=0)
         if longest == 0:
             return 0
-        caps = np.arange(longest + 1)
-        depths = np.minimum(np.array(lengths)[None, :], caps[:, None])  # [cap, sequence]
-        rows = num_decoding + depths.sum(axis=1)
-        seconds = self.times.estimate(rows)
-        if self.draft_model:
-            if seconds is None:  # the plain steps first
-                return 0
-            if len(self._draft_forwards) < MIN_TIMINGS:  # then the draft, at depth 1
-                return 1
-            seconds = seconds + caps * float(np.median(self._draft_forwards))
-        if seconds is None:
-            return longest
-        tokens = num_decoding + depths @ np.array(rates)
-        return int(caps[np.argmax(tokens / np.maximum(seconds, 1e-9))])
+        yields = self._yields(num_decoding, rates, lengths, first_rows)
+        if yields is None:
+            return longest if self.draft is None else 1
+        return int(np.argmax(yields))
 
-    def observe_step(self, rows: int, seconds: float, draft_seconds: float = 0.0,
-                     draft_forwards: int = 0) -> None:
+    def observe_step(self, rows: int, seconds: float, draft_seconds: float = 0.0) -> None:
         """A decode step of `rows` rows (sequences plus draft tokens) took `seconds`, of which
-        the draft model's `draft_forwards` forwards took `draft_seconds` (the step-time line
-        fits the rest; the ledgers are charged the whole)."""
+        a draft model's forwards took `draft_seconds` (the step-time line fits the rest; the
+        ledgers are charged the whole)."""
         self.times.observe(rows, seconds - draft_seconds)
-        if draft_forwards:
-            self._draft_forwards.append(draft_seconds / draft_forwards)
         self._last_step = rows, seconds
+
+    def observe_draft(self, plan: DraftPlan, seconds: list[float]) -> None:
+        """A step's draft model forwards (`DraftPlan.forward_rows`) took `seconds` each."""
+        if self.draft is not None:
+            self.draft.observe(plan.forward_rows(), seconds,
+                               short_catch_up=bool((plan.catch_up.q_lens == 1).all()))
 
     def save(self) -> None:
         """Keep the step times in `times_file` for the next launch (a warning if it cannot)."""
         if self.times_file is None or not self.times.samples():
             return
-        samples = json.dumps(self.times.samples())
+        saved = {"steps": self.times.samples()}
+        if self.draft is not None:
+            saved["draft"] = self.draft.samples()
+        text = json.dumps(saved)
         try:
-            replace_atomically(self.times_file, lambda tmp: tmp.write_text(samples))
+            replace_atomically(self.times_file, lambda tmp: tmp.write_text(text))
         except OSError as e:
             warnings.warn(f"speculation: cannot keep the step times in {self.times_file}: {e}",
                           CacheWarning, stacklevel=2)
@@ -408,9 +510,17 @@ def step_times_file(config: EngineConfig) -> Path:
     return cache_root() / "speculation" / f"{key.hexdigest()[:24]}.json"
 
 
-def load_step_times(path: Path) -> list[tuple[int, float]]:
-    """A launch's saved step times; none where there is no file or it does not read as one."""
+def load_saved_times(path: Path) -> dict:
+    """A launch's saved times (`Speculator.save`): {"steps": [(rows, seconds), ...], "draft":
+    `DraftCosts.samples()`}; none where there is no file or it does not read as one."""
+    def pairs(samples: list) -> list[tuple[int, float]]:
+        return [(int(rows), float(seconds)) for rows, seconds in samples]
+
     try:
-        return [(int(rows), float(seconds)) for rows, seconds in json.loads(path.read_text())]
-    except (OSError, ValueError, TypeError):
-        return []
+        saved = json.loads(path.read_text())
+        draft = saved.get("draft", {})
+        return {"steps": pairs(saved["steps"]),
+                "draft": {"forwards": pairs(draft.get("forwards", [])),
+                          "catch_up": [float(seconds) for seconds in draft.get("catch_up", [])]}}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {}

@@ -16,6 +16,8 @@ after the model's).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -42,26 +44,32 @@ class RankDraft:
         self.runner = ModelRunner(draft, load_model_config(draft.model, draft.cache), comm)
         self.comm = comm
 
-    def fill(self, plan: StepPlan) -> list[list[int]]:
+    def fill(self, plan: StepPlan) -> tuple[list[list[int]], list[float]]:
         """Write the draft's proposals into `plan.input_ids` (the rows after each proposing
-        sequence's last token) and return them, by proposing sequence."""
+        sequence's last token) and return them, by proposing sequence, with the seconds of
+        each of the draft's forwards (the catch-up's first; `DraftPlan.forward_rows`)."""
         draft: DraftPlan = plan.draft
         # The attention row of each of the step's tokens, for the block table it reads
         attention_row = np.repeat(np.arange(len(plan.q_lens)), plan.q_lens)
+        start = time.perf_counter()
         newest = self._greedy(draft.catch_up, draft.proposers)  # each one's first proposal
+        seconds = [time.perf_counter() - start]
         for depth in range(1, int(draft.lengths.max(initial=0)) + 1):
             going = draft.lengths >= depth  # the sequences whose proposal `depth` is `newest`
             plan.input_ids[draft.rows[going] + depth] = newest[going]
             more = draft.lengths > depth  # ... and which propose one more after it
             if more.any():
+                start = time.perf_counter()
                 rows = draft.rows[more] + depth  # where that proposal is, and its key goes
                 positions = plan.positions[rows]
                 newest[more] = self._greedy(StepPlan(
                     plan.input_ids[rows], positions, plan.slot_mapping[rows],
                     np.ones(len(rows), dtype=np.int64), positions + 1,
                     plan.block_tables[attention_row[rows]]))
-        return [plan.input_ids[row + 1:row + 1 + k].tolist()
-                for row, k in zip(draft.rows.tolist(), draft.lengths.tolist())]
+                seconds.append(time.perf_counter() - start)
+        drafts = [plan.input_ids[row + 1:row + 1 + k].tolist()
+                  for row, k in zip(draft.rows.tolist(), draft.lengths.tolist())]
+        return drafts, seconds
 
     def _greedy(self, plan: StepPlan, rows: np.ndarray | None = None) -> np.ndarray:
         """The draft's argmax at `rows` of the plan's logits (None: all; a plan with every

@@ -213,12 +213,10 @@ class ModelRunner:
         self.comm.compression = plan.mode.comm_compression
         if plan.mode.choice:
             tracer().instant(plan.mode.choice, "auto")
-        drafts, draft_seconds = None, 0.0
+        drafts, draft_seconds = None, []
         if plan.draft is not None:
-            start = time.perf_counter()
             with tracer().span("draft", "A"):
-                drafts = self.draft.fill(plan)
-            draft_seconds = time.perf_counter() - start
+                drafts, draft_seconds = self.draft.fill(plan)
         outputs, path = self._forward(plan)
         result = None
         if self.comm.rank == 0:
