@@ -326,13 +326,13 @@ class DraftCosts:
         seconds = self.forwards.estimate(rows)
         return None if seconds is None else np.concatenate([[0.0], np.cumsum(seconds)])
 
-    def catch_up_seconds(self, tokens: int) -> float | None:
-        """Expected seconds of a catch-up of `tokens` tokens: per token as the latest ones,
-        or, before one was timed, as a forward of that many decode rows (None: neither)."""
+    def catch_up_seconds(self, tokens: np.ndarray) -> np.ndarray | None:
+        """Expected seconds of catch-ups of `tokens` tokens each: per token as the latest
+        ones, or, before one was timed, as a forward of that many decode rows (None:
+        neither)."""
         if self._catch_up:
             return tokens * float(np.median(self._catch_up))
-        estimate = self.forwards.estimate(np.array([tokens], dtype=np.float64))
-        return None if estimate is None else float(estimate[0])
+        return self.forwards.estimate(tokens.astype(np.float64))
 
     def samples(self) -> dict:
         return {"forwards": self.forwards.samples(), "catch_up": list(self._catch_up)}
@@ -437,9 +437,9 @@ class Speculator:
         yields = self._yields(num_decoding, [seq.speculation.acceptance.rate for seq in seqs],
                               ks, int(short.sum()))
         saved_per_token = plain[0] / num_decoding * (1 - yields[0] / yields.max())
-        kept = [i for i, seq in enumerate(seqs) if behind[i] <= SHORT_CATCH_UP
-                or self.draft.catch_up_seconds(int(behind[i]))
-                < saved_per_token * (seq.params.max_new_tokens - len(seq.output_ids))]
+        left = np.array([seq.params.max_new_tokens - len(seq.output_ids) for seq in seqs])
+        kept = np.flatnonzero((behind <= SHORT_CATCH_UP)
+                              | (self.draft.catch_up_seconds(behind) < saved_per_token * left))
         return [seqs[i] for i in kept], [ks[i] for i in kept], int(short[kept].sum())
 
     def _yields(self, num_decoding: int, rates: list[float], lengths: list[int],
