@@ -244,7 +244,7 @@ class CompileConfig(_Group):
         "int8", "how GEMMs over quantized blocks (GGUF, AWQ/GPTQ, --quantization int4/int8) "
         "take their inputs. int8: rounded to int8 per block and multiplied with the quants in "
         "integers, llama.cpp's arithmetic, where this CPU has the kernel: up to 32 rows "
-        "(decode, small batches) for Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and Q8_0 in bf16 with "
+        "(decode, small batches) for Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and Q8_0 in bf16 and fp32 with "
         "AVX512-VNNI (and Q5_0 and Q5_1 with AVX512-VBMI too), and at every row count (prefill "
         "too) for all of them but Q6_K there unless the CPU has AMX; Q4_K, Q6_K and Q8_0 up to "
         "32 rows in fp32 on AVX2-only CPUs; "

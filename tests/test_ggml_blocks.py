@@ -170,11 +170,12 @@ def test_a_few_rows_over_blocks_do_not_depend_on_the_row_count(kind, dtype, roun
                          ids=lambda k: k.name)
 def test_interleaved_blocks_decode_and_multiply_as_the_blocks(kind):
     """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K interleaved 16 rows to a group
-    (`interleave_rows`, made at load where the bf16 int8 kernel serves them) decode and look rows up
+    (`interleave_rows`, made at load where the int8 kernel serves them) decode and look rows up
     as the blocks they came from; up to the rows that round their inputs (FEW_ROWS, or any number:
     CPUs without AMX) their products are those of the int8-rounded inputs (each row's bits those it
-    has alone, across the kernel's tiles of 64 rows too), within the bounds of the tests above, and
-    beyond them the blocks' own bits (the groups decoded back into blocks)."""
+    has alone, across the kernel's tiles of 64 rows too), within the bounds of the tests above,
+    for bf16 and fp32 inputs, and beyond them the blocks' own bits (the groups decoded back into
+    blocks)."""
     rows, columns = 96, 512
     interleaved = X16 + int(kind)
     if not rounds_inputs(interleaved, torch.bfloat16, columns):
@@ -190,20 +191,23 @@ def test_interleaved_blocks_decode_and_multiply_as_the_blocks(kind):
     looked_up = GGMLWeight(columns, [interleaved], [groups]).lookup(ids, torch.bfloat16)
     assert torch.equal(looked_up, weight.bfloat16()[ids])
     x = torch.randn(80, columns, generator=torch.Generator().manual_seed(0)).bfloat16()
-    for m, rounded in itertools.product((1, 5, 9, FEW_ROWS, FEW_ROWS + 7, 80),
-                                        (FEW_ROWS, ALL_ROWS)):
-        y = torch.ops.braid.ggml_linear(x[:m], groups, interleaved, FEW_ROWS, rounded)
+    for dtype, m, rounded in itertools.product((torch.bfloat16, torch.float32),
+                                               (1, 5, 9, FEW_ROWS, FEW_ROWS + 7, 80),
+                                               (FEW_ROWS, ALL_ROWS)):
+        inputs = x[:m].to(dtype)
+        y = torch.ops.braid.ggml_linear(inputs, groups, interleaved, FEW_ROWS, rounded)
+        assert y.dtype == dtype
         int8 = m <= rounded
         expected = (int8_input_product(x[:m], weight, INPUT_BLOCK.get(kind, 32)) if int8
                     else x[:m].double() @ weight.double().T)
         bound = 2 ** -8 * (x[:m].double().abs() @ weight.double().abs().T)
-        assert ((y.double() - expected).abs() <= bound).all(), (m, rounded)
+        assert ((y.double() - expected).abs() <= bound).all(), (dtype, m, rounded)
         if int8:
-            alone = [torch.ops.braid.ggml_linear(x[i:i + 1], groups, interleaved, FEW_ROWS,
+            alone = [torch.ops.braid.ggml_linear(inputs[i:i + 1], groups, interleaved, FEW_ROWS,
                                                  rounded) for i in range(m)]
             assert torch.equal(y, torch.cat(alone)), (m, rounded)
         else:
-            assert torch.equal(y, torch.ops.braid.ggml_linear(x[:m], torch.from_numpy(blocks),
+            assert torch.equal(y, torch.ops.braid.ggml_linear(inputs, torch.from_numpy(blocks),
                                                               int(kind), FEW_ROWS, rounded))
 
 

@@ -8,7 +8,8 @@
 // Weights whose rows are a multiple of 16 come interleaved 16 rows to a group (Q4_0, Q4_1,
 // Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: ggml_format.h), and their kernels (`x16_*`) also take
 // prefill's many rows where the caller asks (`int8_rows`); the others go row by row (Q4_K,
-// Q6_K and Q8_0).
+// Q6_K and Q8_0). bf16 and fp32 inputs are rounded alike and the outputs are written in the
+// inputs' dtype (an fp32 run's products are then llama.cpp's too, as on AVX2-only CPUs).
 //
 // A row's result depends on that row alone, summed in one order whatever the row count, so
 // decode is row-count invariant up to the few-row GEMMs' 32 rows, or at every row count where
@@ -70,6 +71,7 @@ inline __m512 load_floats(const at::BFloat16* p) {  // a bf16 is the top half of
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+inline __m512 load_floats(const float* p) { return _mm512_loadu_ps(p); }
 
 // n inputs (a multiple of 16, at most 256) rounded to the nearest even multiple of their
 // largest |x| / 127, handed 16 at a time to `emit(i, rounded)` (inputs [16 i, 16 i + 16) as
@@ -467,6 +469,8 @@ inline void store_bf16(at::BFloat16* p, __m512 values) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
+inline void store_outputs(at::BFloat16* p, __m512 values) { store_bf16(p, values); }
+inline void store_outputs(float* p, __m512 values) { _mm512_storeu_ps(p, values); }
 
 // Byte b of each 32-bit lane, widened to the lane
 inline __m512i byte_of(__m512i words, int b) {
@@ -679,7 +683,7 @@ at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& groups) {
               x16_q4_k_group<R, BASE == Q5_K>(group, in, m, out);
             else if constexpr (BASE == Q6_K) x16_q6_k_group<R>(group, in, m, out);
             else x16_group<BASE, R>(group, in, m, out);
-            for (int i = 0; i < R; ++i) store_bf16(yp + (m + i) * N + g * X16_ROWS, out[i]);
+            for (int i = 0; i < R; ++i) store_outputs(yp + (m + i) * N + g * X16_ROWS, out[i]);
           };
           switch (std::min(M - m, MR)) {
             case 1: pass(std::integral_constant<int, 1>()); break;
@@ -722,13 +726,31 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
   return y;
 }
 
+// The int8 kernel of `type` over inputs (and outputs) of type T
+template <typename T>
+at::Tensor int8_dot_linear_of(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
+  switch (type) {
+    case X16 + Q4_0: return x16_linear<Q4_0, T>(x, blocks);
+    case X16 + Q4_1: return x16_linear<Q4_1, T>(x, blocks);
+#if defined(__AVX512VBMI__)
+    case X16 + Q5_0: return x16_linear<Q5_0, T>(x, blocks);
+    case X16 + Q5_1: return x16_linear<Q5_1, T>(x, blocks);
+#endif
+    case X16 + Q8_0: return x16_linear<Q8_0, T>(x, blocks);
+    case X16 + Q4_K: return x16_linear<Q4_K, T>(x, blocks);
+    case X16 + Q5_K: return x16_linear<Q5_K, T>(x, blocks);
+    case X16 + Q6_K: return x16_linear<Q6_K, T>(x, blocks);
+  }
+  return linear<T>(x, blocks, type);
+}
+
 }  // namespace
 #endif
 
 bool int8_dot_serves(int64_t type, at::ScalarType dtype, int64_t K) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  // bf16 runs only: an fp32 run asks for products as exact as fp32's, not for llama.cpp's
-  if (dtype != at::kBFloat16) return false;
+  // bf16 or fp32 inputs: rounded alike, the products summed in fp32 either way
+  if (dtype != at::kBFloat16 && dtype != at::kFloat) return false;
 #if !defined(__AVX512VBMI__)
   // Q5_0's and Q5_1's fifth bits come out of their qh words through `vpmultishiftqb`
   if (type == X16 + Q5_0 || type == X16 + Q5_1) return false;
@@ -748,19 +770,8 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& blocks, int64_
               "int8_dot_linear: no int8 kernel for GGML type ", type, " and ", x.scalar_type(),
               " inputs of ", x.size(1), " columns on this CPU");
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  switch (type) {
-    case X16 + Q4_0: return x16_linear<Q4_0, at::BFloat16>(x, blocks);
-    case X16 + Q4_1: return x16_linear<Q4_1, at::BFloat16>(x, blocks);
-#if defined(__AVX512VBMI__)
-    case X16 + Q5_0: return x16_linear<Q5_0, at::BFloat16>(x, blocks);
-    case X16 + Q5_1: return x16_linear<Q5_1, at::BFloat16>(x, blocks);
-#endif
-    case X16 + Q8_0: return x16_linear<Q8_0, at::BFloat16>(x, blocks);
-    case X16 + Q4_K: return x16_linear<Q4_K, at::BFloat16>(x, blocks);
-    case X16 + Q5_K: return x16_linear<Q5_K, at::BFloat16>(x, blocks);
-    case X16 + Q6_K: return x16_linear<Q6_K, at::BFloat16>(x, blocks);
-  }
-  return linear<at::BFloat16>(x, blocks, type);
+  if (x.scalar_type() == at::kFloat) return int8_dot_linear_of<float>(x, blocks, type);
+  return int8_dot_linear_of<at::BFloat16>(x, blocks, type);
 #elif defined(BRAID_GGML_AVX2)
   return avx2_int8_linear(x, blocks, type);
 #else

@@ -69,9 +69,9 @@ def rounds_inputs(kind: int, dtype: torch.dtype, columns: int) -> bool:
     """Whether GEMMs of up to FEW_ROWS rows over blocks of GGML type `kind`, with `dtype` inputs
     of `columns` columns, can round the inputs to int8 and multiply them with the blocks' quants
     in integers, as llama.cpp does (`--block-inputs int8`, the default): Q4_K, Q6_K, Q8_0 and
-    the interleaved forms of INTERLEAVED_TYPES (`interleave_rows`), bf16 on CPUs with AVX512-VNNI
-    (Q5_0 and Q5_1: and VBMI; `csrc/ggml_int8.cpp`); Q4_K, Q6_K and Q8_0, fp32 on AVX2-only ones
-    (`csrc/ggml_int8_avx2.cpp`): the dtypes those CPUs compute natively."""
+    the interleaved forms of INTERLEAVED_TYPES (`interleave_rows`), bf16 and fp32 on CPUs with
+    AVX512-VNNI (Q5_0 and Q5_1: and VBMI; `csrc/ggml_int8.cpp`); Q4_K, Q6_K and Q8_0, fp32 on
+    AVX2-only ones (`csrc/ggml_int8_avx2.cpp`)."""
     return torch.ops.braid.ggml_int8_serves(kind, dtype, columns)
 
 

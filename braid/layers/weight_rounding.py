@@ -6,7 +6,7 @@ A rank rounds the weights it holds, row by row in blocks along the columns.
 
 - **int8**: Q8_0 where the rows' length and the rank's slice of them are multiples of 32 (an
   fp16 scale per 32 weights, each weight the nearest of 255 levels of it: 8.5 bits a weight),
-  else the layer stays dense. Where the bf16 int8 kernel serves, the blocks are then
+  else the layer stays dense. Where the int8 kernel serves, the blocks are then
   interleaved 16 rows to a group for it (`ggml_weight.interleave_rows`).
 - **int4**: Q4_K where the rows' length and the rank's slice of them are multiples of 256
   (super-blocks of 8 sub-blocks of 32, each with a 6-bit scale and minimum under the block's
