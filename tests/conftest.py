@@ -76,14 +76,17 @@ def prompt_ids(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def runner(model_path):
-    """The embedded model (fp32) as one rank in this process, under engine cores of the
-    tests' own (`engine_utils.RunnerExecutor`)."""
+    """The embedded model (fp32, exact products over its blocks: its tests compare paths
+    whose last bits differ, which int8 inputs would round into other tokens now and then) as
+    one rank in this process, under engine cores of the tests' own
+    (`engine_utils.RunnerExecutor`)."""
     from braid.config import EngineConfig
     from braid.distributed.comm import SkipCommunicator
     from braid.loader.model_config import load_model_config
     from braid.worker.model_runner import ModelRunner
 
-    engine = EngineConfig.create(model=model_path, dtype="fp32", max_total_tokens=4096)
+    engine = EngineConfig.create(model=model_path, dtype="fp32", max_total_tokens=4096,
+                                 block_inputs="float")
     return ModelRunner(engine, load_model_config(model_path), SkipCommunicator(0, 1))
 
 

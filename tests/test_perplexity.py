@@ -51,8 +51,10 @@ def test_perplexity_and_its_error_are_llama_cpps():
 
 def test_braids_scores_are_transformers_on_the_same_weights(model_path, tokenizer, hf_model):
     chunks = make_chunks(tokenizer, TEXT, 64, 3)
+    # The products over the dequantized weights, as transformers computes (not llama.cpp's
+    # int8 inputs, the default where the CPU has the kernel)
     engine = EngineConfig.create(model=model_path, dtype="fp32", compile="off",
-                                 max_total_tokens=1024)
+                                 max_total_tokens=1024, block_inputs="float")
     braid, _ = score_braid(chunks, engine)
     reference, _ = score_transformers(chunks, hf_model)
     assert np.array(braid).shape == (3, 31)

@@ -206,10 +206,24 @@ def test_the_depth_cap_weighs_expected_tokens_against_measured_step_times():
     assert times.estimate(np.array([2, 20])).tolist() == pytest.approx([0.0095, 0.095])
 
 
+class Placeholders:
+    """A draft model's proposer without the model: placeholders for drafts, and the tokens
+    each sequence's draft has not computed (one by default: a caught-up sequence's newest)."""
+
+    def __init__(self, behind: dict[int, int] | None = None) -> None:
+        self.behind_by_id = behind or {}
+
+    def behind(self, seq: Sequence) -> int:
+        return self.behind_by_id.get(seq.seq_id, 1)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        return [[0] * k for k in ks]
+
+
 def test_a_new_launch_weighs_drafts_by_the_step_times_the_last_one_kept(tmp_path):
-    """`Speculator.save` keeps the step times; a speculator started on the same file weighs
-    its first drafts by them (no "try it all"), and a file that does not read as step times
-    is as none."""
+    """`Speculator.save` keeps the step times (and a draft model's costs); a speculator
+    started on the same file weighs its first drafts by them (no "try it all"), and a file
+    that does not read as step times is as none."""
     times_file = tmp_path / "speculation" / "times.json"
     first = Speculator(OracleProposer(), 8, times_file)
     for rows in (32, 64, 128, 320) * 3:  # compute-bound: drafts do not pay
@@ -220,6 +234,15 @@ def test_a_new_launch_weighs_drafts_by_the_step_times_the_last_one_kept(tmp_path
     assert second._best_cap(32, [0.5] * 32, [8] * 32) == 0
     times_file.write_text("not step times")
     assert Speculator(OracleProposer(), 8, times_file)._best_cap(32, [0.5] * 32, [8] * 32) == 8
+    # A draft model's forwards and catch-ups are kept beside the steps
+    drafting = Speculator(Placeholders(), 8, times_file, draft_model=True)
+    for rows in (1, 2) * 3:
+        drafting.observe_step(rows, 0.010)
+        drafting.draft.observe([200, rows], [0.1, 0.001 * rows], short_catch_up=False)
+    drafting.save()
+    kept = Speculator(Placeholders(), 8, times_file, draft_model=True).draft
+    assert kept.samples() == drafting.draft.samples() and kept.forwards.samples()
+    assert kept.catch_up_seconds(np.array([400])).tolist() == pytest.approx([0.2])
 
 
 def test_step_times_are_kept_per_model_and_settings(tmp_path, monkeypatch, model_path):
@@ -485,20 +508,6 @@ def test_a_draft_model_that_cannot_draft_is_refused_by_name(tiny_llama):
                             "context of")):
         with pytest.raises(UserError, match=f"--draft-model .* {words}"):
             check_draft_model(config, replace(target, **changed))
-
-
-class Placeholders:
-    """A draft model's proposer without the model: placeholders for drafts, and the tokens
-    each sequence's draft has not computed (one by default: a caught-up sequence's newest)."""
-
-    def __init__(self, behind: dict[int, int] | None = None) -> None:
-        self.behind_by_id = behind or {}
-
-    def behind(self, seq: Sequence) -> int:
-        return self.behind_by_id.get(seq.seq_id, 1)
-
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
-        return [[0] * k for k in ks]
 
 
 def test_a_draft_model_is_priced_by_its_forwards():
