@@ -72,6 +72,7 @@ from braid.cache import (
     replace_atomically,
 )
 from braid.config import EngineConfig
+from braid.engine.draft import DECODE_SHAPED_CATCH_UP
 from braid.engine.request import Sequence
 from braid.platform import isa_flags, usable_cores
 from braid.step import DraftPlan
@@ -86,9 +87,6 @@ TIMES_WINDOW = 256  # latest decode steps whose times `StepTimes` keeps
 # library's kernels for that shape (tens of ms), which alone would rule it out for good
 MIN_TIMINGS = 3
 DRAFT_WINDOW = 16  # latest catch-ups of a draft model whose seconds per token are kept
-# A catch-up of at most this many tokens (a caught-up sequence's newest) is decode rows
-# (`engine/draft.py`); a longer one is priced per token
-SHORT_CATCH_UP = 4
 LEDGER_DRAFTS = 8  # verified drafts of a sequence between two judgements of its ledger
 PAUSE_STEPS = 16  # steps a losing sequence proposes nothing, doubled at each loss ...
 MAX_PAUSE_STEPS = 1024  # ... up to this
@@ -98,14 +96,6 @@ class Proposer(Protocol):
     """Proposes up to k tokens to follow each sequence's tokens."""
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]: ...
-
-
-class ModelProposer(Proposer, Protocol):
-    """A draft model's proposer, which computes a sequence's tokens before it proposes."""
-
-    def behind(self, seq: Sequence) -> int:
-        """The sequence's tokens the draft has not computed."""
-        ...
 
 
 @dataclass
@@ -351,7 +341,7 @@ class Speculator:
         saved = load_saved_times(times_file) if times_file else {}
         self.times = StepTimes(saved.get("steps", ()))
         # A draft model's proposals also cost its forwards, and its catch-up of the tokens it
-        # has not computed (the proposer is then a `ModelProposer`)
+        # has not computed (the proposer then tells them: `RankDraftProposer.behind`)
         self.draft = DraftCosts(saved.get("draft")) if draft_model else None
         self.traffic = AcceptanceRate()  # every sequence's verified proposals
         self._drafted = 0  # draft rows of the step last proposed for
@@ -433,12 +423,13 @@ class Speculator:
         if self.draft.forwards.estimate(np.ones(1)) is None:
             first = int(np.argmin(behind))
             return [seqs[first]], [1], 1
-        short = np.clip(behind, 1, SHORT_CATCH_UP)  # a longer catch-up's cost is its own
+        # A few tokens are decode rows of the first forward; a longer catch-up costs its own
+        short = np.clip(behind, 1, DECODE_SHAPED_CATCH_UP)
         yields = self._yields(num_decoding, [seq.speculation.acceptance.rate for seq in seqs],
                               ks, int(short.sum()))
         saved_per_token = plain[0] / num_decoding * (1 - yields[0] / yields.max())
         left = np.array([seq.params.max_new_tokens - len(seq.output_ids) for seq in seqs])
-        kept = np.flatnonzero((behind <= SHORT_CATCH_UP)
+        kept = np.flatnonzero((behind <= DECODE_SHAPED_CATCH_UP)
                               | (self.draft.catch_up_seconds(behind) < saved_per_token * left))
         return [seqs[i] for i in kept], [ks[i] for i in kept], int(short[kept].sum())
 
