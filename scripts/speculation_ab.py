@@ -1,7 +1,9 @@
 """Speculation against plain decoding, request by request: a fresh `braid serve` without
-speculation, then a fresh one with it (never both at once), each driven by the same
-`bench-serving` run with no warm-up request; prints each request's decode-rate ratio, their
-median and least, and how many texts are identical (`bench-serving --baseline-file`).
+speculation, then a fresh one with it (never both at once; `--speculative-first` turns the
+order round, so that runs in both orders can cancel what comes of being second), each driven
+by the same `bench-serving` run with no warm-up request; prints each request's decode-rate
+ratio, their median and least, and how many texts are identical (as `bench-serving
+--baseline-file` does).
 
     python scripts/speculation_ab.py --tp 2 --dtype fp32 [--speculative ngram] \\
         [--speculative draft --draft-model PATH] [--server-flags "--model PATH"] \\
@@ -20,14 +22,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 from braid.bench.datasets import Dataset
-from braid.bench.serving import ServingConfig, run_bench_serving
+from braid.bench.serving import ServingConfig, compare_to_baseline, run_bench_serving
 
 BRAID = str(Path(sys.executable).with_name("braid"))
 
@@ -80,6 +81,8 @@ def main() -> None:
     parser.add_argument("--max-concurrency", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=None,
                         help="sampled requests (default: greedy)")
+    parser.add_argument("--speculative-first", action="store_true",
+                        help="start the speculative server first, the plain one second")
     parser.add_argument("--output-file", help="append both runs' JSON lines here")
     args = parser.parse_args()
 
@@ -88,27 +91,27 @@ def main() -> None:
                       num_prompts=args.num_prompts, random_input_len=args.input_len,
                       random_output_len=args.output_len, random_range_ratio=1.0)
     body = None if args.temperature is None else json.dumps({"temperature": args.temperature})
-    with tempfile.TemporaryDirectory() as folder:
-        baseline = str(Path(folder) / "plain.jsonl")
-        speculative = ["--speculative", args.speculative]
-        if args.draft_model:
-            speculative += ["--draft-model", args.draft_model]
-        runs = (("plain", [], baseline, None), (args.speculative, speculative, None, baseline))
-        for tag, flags, output, against in runs:
-            port = free_port()
-            server = serve(common + flags, port)
-            try:
-                config = ServingConfig(base_url=f"http://127.0.0.1:{port}", dataset=dataset,
-                                       max_concurrency=args.max_concurrency,
-                                       warmup_requests=0, disable_tqdm=True,
-                                       extra_request_body=body, output_details=True,
-                                       baseline_file=against, tag=tag, output_file=output)
-                row = run_bench_serving(config)
-                if args.output_file:
-                    with open(args.output_file, "a") as f:
-                        f.write(json.dumps(row) + "\n")
-            finally:
-                stop(server)
+    speculative = ["--speculative", args.speculative]
+    if args.draft_model:
+        speculative += ["--draft-model", args.draft_model]
+    runs = [("plain", []), (args.speculative, speculative)]
+    rows = {}
+    for tag, flags in runs[::-1] if args.speculative_first else runs:
+        port = free_port()
+        server = serve(common + flags, port)
+        try:
+            config = ServingConfig(base_url=f"http://127.0.0.1:{port}", dataset=dataset,
+                                   max_concurrency=args.max_concurrency,
+                                   warmup_requests=0, disable_tqdm=True,
+                                   extra_request_body=body, output_details=True, tag=tag)
+            rows[tag] = run_bench_serving(config)
+        finally:
+            stop(server)
+    rows[args.speculative].update(compare_to_baseline(rows[args.speculative], rows["plain"]))
+    if args.output_file:
+        with open(args.output_file, "a") as f:
+            for tag, _ in runs:
+                f.write(json.dumps(rows[tag]) + "\n")
 
 
 if __name__ == "__main__":
