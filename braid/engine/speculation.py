@@ -325,6 +325,7 @@ class DraftCosts:
         return self.forwards.estimate(tokens.astype(np.float64))
 
     def samples(self) -> dict:
+        """The timings to keep for the next launch (`saved`)."""
         return {"forwards": self.forwards.samples(), "catch_up": list(self._catch_up)}
 
 
